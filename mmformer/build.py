@@ -1,0 +1,149 @@
+"""The composition root: turns a resolved recipe into model, datamodule, LightningModule, callbacks,
+loggers and Trainer. The built-in components are registered here; users register theirs with
+``mmformer.registry.register`` (same signatures as the builders below).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from .config import (
+    BackboneConfig,
+    CIFAR10DataConfig,
+    ClassificationTaskConfig,
+    ClassifierHeadConfig,
+    ImageFolderDataConfig,
+    RecipeConfig,
+    ViTPatchConfig,
+    recipe_to_dict,
+    recipe_to_yaml,
+)
+from .data.datamodule import MultiTaskDataModule
+from .data.image import cifar10_data, image_folder_data
+from .models import Backbone, ClassifierHead, MultimodalModel
+from .registry import lookup, register
+from .tasks import ClassificationTask, MultiTaskModule
+from .tokenizers import ViTPatchTokenizer
+from .training.callbacks import BadSampleReport, ThroughputLogger
+from .training.checkpoint_io import AtomicCheckpointIO
+from .training.loggers import build_loggers
+from .training.runs import Run, RunFolder
+
+
+# --------------------------------------------------------------------------- built-in components
+@register("backbone", "transformer", BackboneConfig)
+def build_transformer(cfg: BackboneConfig) -> Backbone:
+    return Backbone(
+        d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+        mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, drop=cfg.drop, attn_drop=cfg.attn_drop,
+        drop_path=cfg.drop_path, norm_eps=cfg.norm_eps, final_norm=cfg.final_norm, causal=cfg.causal,
+        attn_kernel=cfg.attn_kernel,
+    )
+
+
+@register("tokenizer", "vit_patch", ViTPatchConfig)
+def build_vit_patch(cfg: ViTPatchConfig, d_model: int) -> ViTPatchTokenizer:
+    return ViTPatchTokenizer(d_model, cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.class_token,
+                             tuple(cfg.mean), tuple(cfg.std))
+
+
+@register("head", "classifier", ClassifierHeadConfig)
+def build_classifier(cfg: ClassifierHeadConfig, d_model: int, tokenizer) -> ClassifierHead:
+    return ClassifierHead(d_model, cfg.num_classes, cfg.pool, getattr(tokenizer, "num_prefix_tokens", 0),
+                          cfg.fc_norm, cfg.drop)
+
+
+@register("task", "classification", ClassificationTaskConfig)
+def build_classification(cfg: ClassificationTaskConfig, recipe: RecipeConfig) -> ClassificationTask:
+    head = recipe.model.heads[cfg.head]
+    return ClassificationTask(cfg.tokenizer, cfg.head, head.num_classes, "image", cfg.label_smoothing)
+
+
+@register("dataset", "image_folder", ImageFolderDataConfig)
+def build_image_folder(cfg: ImageFolderDataConfig, task, recipe: RecipeConfig):
+    return image_folder_data(cfg, recipe.model.tokenizers[task.tokenizer], _num_classes(task, recipe))
+
+
+@register("dataset", "cifar10", CIFAR10DataConfig)
+def build_cifar10(cfg: CIFAR10DataConfig, task, recipe: RecipeConfig):
+    return cifar10_data(cfg, recipe.model.tokenizers[task.tokenizer], _num_classes(task, recipe))
+
+
+def _num_classes(task, recipe: RecipeConfig) -> int | None:
+    head = recipe.model.heads.get(getattr(task, "head", None))
+    return getattr(head, "num_classes", None)
+
+
+# --------------------------------------------------------------------------- composition
+def build_model(recipe: RecipeConfig) -> MultimodalModel:
+    m = recipe.model
+    backbone = lookup("backbone", m.backbone.kind).builder(m.backbone)
+    d = m.backbone.d_model
+    tokenizers = {n: lookup("tokenizer", c.kind).builder(c, d) for n, c in m.tokenizers.items()}
+    heads = {}
+    for name, cfg in m.heads.items():
+        readers = [t.tokenizer for t in recipe.tasks.values() if getattr(t, "head", None) == name]
+        tokenizer = tokenizers.get(readers[0]) if readers else None
+        heads[name] = lookup("head", cfg.kind).builder(cfg, d, tokenizer)
+    return MultimodalModel(tokenizers, backbone, heads)
+
+
+def build_module(recipe: RecipeConfig, model: MultimodalModel | None = None) -> MultiTaskModule:
+    model = model or build_model(recipe)
+    tasks = {n: lookup("task", t.kind).builder(t, recipe) for n, t in recipe.tasks.items()}
+    weights = {n: t.weight for n, t in recipe.tasks.items()}
+    return MultiTaskModule(model, tasks, weights, recipe.optim, recipe_to_yaml(recipe))
+
+
+def build_datamodule(recipe: RecipeConfig) -> MultiTaskDataModule:
+    """Resolves every task's data root now (preparing missing bundled datasets, failing clearly on
+    missing paths) and builds the datasets lazily in each process's ``setup``."""
+    factories = {}
+    for name, task in recipe.tasks.items():
+        entry = lookup("dataset", task.data.kind)
+        factories[name] = functools.partial(entry.builder, task.data, task, recipe)
+    dm = MultiTaskDataModule(factories, seed=recipe.seed)
+    dm.setup()  # fail now on a bad path, not after the processes have launched
+    return dm
+
+
+def default_monitor(recipe: RecipeConfig, module: MultiTaskModule) -> tuple[str, str]:
+    first = next(iter(recipe.tasks))
+    metric, mode = getattr(module.tasks[first], "main_metric", ("loss", "min"))
+    monitor = recipe.checkpoint.monitor or f"val/{first}/{metric}"
+    if recipe.checkpoint.mode:
+        mode = recipe.checkpoint.mode
+    elif recipe.checkpoint.monitor and recipe.checkpoint.monitor.endswith("loss"):
+        mode = "min"
+    return monitor, mode
+
+
+def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra_callbacks=()) -> L.Trainer:
+    monitor, mode = default_monitor(recipe, module)
+    ck = recipe.checkpoint
+    checkpoint = ModelCheckpoint(
+        dirpath=str(run.checkpoints), filename="best-epoch{epoch:03d}-step{step:06d}", monitor=monitor,
+        mode=mode, save_top_k=ck.save_top_k, save_last=ck.save_last, auto_insert_metric_name=False,
+        every_n_train_steps=ck.every_n_train_steps,
+    )
+    loggers = build_loggers(recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id,
+                            recipe_to_dict(recipe))
+    t = recipe.trainer
+    return L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
+        precision=t.precision, max_epochs=t.max_epochs, max_steps=t.max_steps, max_time=t.max_time,
+        gradient_clip_val=t.gradient_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm,
+        accumulate_grad_batches=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval, check_val_every_n_epoch=t.check_val_every_n_epoch,
+        limit_train_batches=t.limit_train_batches, limit_val_batches=t.limit_val_batches,
+        num_sanity_val_steps=t.num_sanity_val_steps, deterministic=t.deterministic,
+        enable_progress_bar=t.enable_progress_bar, default_root_dir=str(run.dir),
+        use_distributed_sampler=False,  # the datamodule shards itself (no padded evaluation)
+        logger=loggers,
+        callbacks=[RunFolder(run, recipe_to_yaml(recipe)), checkpoint, ThroughputLogger(), BadSampleReport(),
+                   *extra_callbacks],
+        plugins=[AtomicCheckpointIO()],
+    )

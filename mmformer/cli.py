@@ -1,0 +1,205 @@
+"""``mmformer train | validate | info | data`` — a thin layer over ``config`` and ``build``.
+
+    mmformer train RECIPE.yaml [key=value ...]     e.g. optim.lr=3e-4 trainer.devices=2 resume=auto
+    mmformer validate CHECKPOINT.ckpt [key=value ...]
+    mmformer info RECIPE.yaml [key=value ...]
+    mmformer data prepare NAME [--force] | mmformer data list
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("mmformer")
+
+
+def _is_rank_zero() -> bool:
+    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def _say(msg: str) -> None:
+    if _is_rank_zero():
+        print(msg, flush=True)
+
+
+def cmd_train(args) -> int:
+    from .config import load_recipe, recipe_to_yaml
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    _say("# resolved recipe\n" + recipe_to_yaml(recipe))
+    trainer, run = train(recipe)
+    if trainer.is_global_zero:
+        _report(trainer, run)
+    return 0
+
+
+def train(recipe, extra_callbacks=()):
+    """Train a resolved recipe (what ``mmformer train`` does); returns ``(trainer, run)``.
+
+    Ends with a validation of the final weights when the last step was not already validated.
+    """
+    import lightning as L
+
+    from .build import build_datamodule, build_module, build_trainer
+    from .training.loggers import finish_loggers
+    from .training.runs import RESUME_ENV, RUN_ID_ENV, open_run
+
+    L.seed_everything(recipe.seed, workers=True, verbose=False)
+    run = open_run(recipe.name, recipe.resume)
+    trainer = None
+    try:
+        datamodule = build_datamodule(recipe)
+        module = build_module(recipe)
+        tracker = _LastValidation()
+        trainer = build_trainer(recipe, run, module, extra_callbacks=[tracker, *extra_callbacks])
+        if run.resume_from is not None:
+            _say(f"resuming from {run.resume_from}")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(run.resume_from) if run.resume_from else None)
+        if tracker.step != trainer.global_step:  # the run did not end on a validation: run one now
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+    finally:
+        if trainer is not None:
+            finish_loggers(trainer.loggers)
+        os.environ.pop(RUN_ID_ENV, None)
+        os.environ.pop(RESUME_ENV, None)
+    return trainer, run
+
+
+class _LastValidation:
+    """Remembers the global step of the last real (non-sanity) validation."""
+
+    def __new__(cls):
+        import lightning as L
+
+        class Tracker(L.Callback):
+            step = -1
+
+            def on_validation_end(self, trainer, pl_module):
+                if not trainer.sanity_checking:
+                    self.step = trainer.global_step
+
+        return Tracker()
+
+
+def _report(trainer, run) -> None:
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    for key in sorted(metrics):
+        print(f"{key} {metrics[key]:.4f}")
+    print(f"run folder: {run.dir}")
+    print(f"checkpoints: {run.checkpoints}")
+    wandb_dir = run.dir / "wandb"
+    if wandb_dir.exists():
+        offline = sorted(wandb_dir.glob("offline-run-*"))
+        if offline:
+            print(f"W&B (offline): {offline[-1]}  — upload with: wandb sync {offline[-1]}")
+        else:
+            print(f"W&B: {wandb_dir}")
+
+
+def cmd_validate(args) -> int:
+    import lightning as L
+    import torch
+
+    from .build import build_datamodule, build_module
+    from .config import recipe_from_yaml
+
+    ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    recipe = recipe_from_yaml(ckpt["mmformer"]["recipe_yaml"], args.overrides)
+    module = build_module(recipe)
+    module.load_state_dict(ckpt["state_dict"])
+    t = recipe.trainer
+    trainer = L.Trainer(accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
+                        logger=False, enable_checkpointing=False, use_distributed_sampler=False,
+                        limit_val_batches=t.limit_val_batches, enable_progress_bar=t.enable_progress_bar)
+    trainer.validate(module, datamodule=build_datamodule(recipe), verbose=False)
+    if trainer.is_global_zero:
+        for key, value in sorted(trainer.callback_metrics.items()):
+            if key.startswith("val/"):
+                print(f"{key} {float(value):.4f}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .build import build_model
+    from .config import load_recipe, recipe_to_yaml
+    from .models import count_flops
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    print("# resolved recipe\n" + recipe_to_yaml(recipe))
+    model = build_model(recipe)
+    total = sum(p.numel() for p in model.parameters())
+    print(f"parameters: {total:,}")
+    for part in ("tokenizers", "backbone", "heads"):
+        print(f"  {part}: {sum(p.numel() for p in getattr(model, part).parameters()):,}")
+    for name, task in recipe.tasks.items():
+        tok = model.tokenizers[task.tokenizer]
+        if hasattr(tok, "example_input"):
+            flops = count_flops(model, tok.example_input(1), task.tokenizer, task.head)
+            print(f"FLOPs per sample ({name}): forward {flops['forward'] / 1e6:,.1f} M, "
+                  f"train step (fwd+bwd) {flops['train'] / 1e6:,.1f} M")
+    return 0
+
+
+def cmd_data(args) -> int:
+    from .data.prepare import BUNDLED, prepare
+    from .data.roots import data_root
+
+    if args.action == "list":
+        for name, b in BUNDLED.items():
+            state = "prepared" if b.is_prepared(data_root() / name) else "not prepared"
+            print(f"{name:12s} {state:13s} {b.description}")
+        return 0
+    if not args.name:
+        raise SystemExit("usage: mmformer data prepare NAME  (see: mmformer data list)")
+    path = prepare(args.name, force=args.force)
+    print(f"{args.name}: {path}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmformer", description="Multimodal transformer training platform.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a recipe")
+    t.add_argument("recipe", type=Path)
+    t.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. optim.lr=3e-4 resume=auto")
+    t.set_defaults(fn=cmd_train)
+    v = sub.add_parser("validate", help="evaluate a checkpoint on its recipe's validation data")
+    v.add_argument("checkpoint", type=Path)
+    v.add_argument("overrides", nargs="*")
+    v.set_defaults(fn=cmd_validate)
+    i = sub.add_parser("info", help="print the resolved recipe, parameter count and FLOPs per sample")
+    i.add_argument("recipe", type=Path)
+    i.add_argument("overrides", nargs="*")
+    i.set_defaults(fn=cmd_info)
+    d = sub.add_parser("data", help="bundled datasets")
+    d.add_argument("action", choices=["prepare", "list"])
+    d.add_argument("name", nargs="?")
+    d.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    d.set_defaults(fn=cmd_data)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import RecipeError
+    from .data.roots import DataNotFoundError
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    args = _parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (RecipeError, DataNotFoundError, FileNotFoundError, KeyError) as e:
+        msg = e.args[0] if e.args else str(e)
+        print(f"mmformer: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

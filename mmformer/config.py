@@ -1,0 +1,407 @@
+"""Typed recipe schema and its loading: defaults ← recipe YAML ← ``key=value`` overrides.
+
+A recipe is YAML read by OmegaConf's own loader (``1e-3`` is a float, ``null`` is None) and merged
+into the dataclasses below, so unknown keys and wrong types fail with the full key, a did-you-mean
+and the expected type. Components (tokenizers, backbone, heads, tasks, datasets) are picked by
+``kind`` from ``mmformer.registry``: OmegaConf cannot switch between dataclass variants on merge, so
+``kind`` is read first and the node is then merged into that kind's dataclass. Derived values are
+computed and checked in ``__post_init__``, never written in YAML.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .registry import lookup
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the key and what was expected."""
+
+
+# --------------------------------------------------------------------------- components
+@dataclass
+class BackboneConfig:
+    """``model.backbone``: the shared transformer (``mmformer.models.Backbone``)."""
+
+    kind: str = "transformer"
+    preset: Optional[str] = None  # debug | tiny | small | base | large: fills unset sizes
+    d_model: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    drop: float = 0.0
+    attn_drop: float = 0.0
+    drop_path: float = 0.0
+    norm_eps: float = 1e-6
+    final_norm: bool = True
+    causal: bool = False
+    attn_kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        from .models.presets import preset
+        from .nn.attention import KERNELS
+
+        if self.preset is not None:
+            for k, v in preset(self.preset).items():
+                if getattr(self, k) is None:
+                    setattr(self, k, v)
+        for k in ("d_model", "n_layers", "n_heads"):
+            if getattr(self, k) is None:
+                raise ValueError(f"{k} is required (or set preset: debug|tiny|small|base|large)")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.attn_kernel not in KERNELS:
+            raise ValueError(f"attn_kernel={self.attn_kernel!r}; choose from {KERNELS}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class ViTPatchConfig:
+    """``model.tokenizers.<name>`` of kind ``vit_patch`` (``mmformer.tokenizers.ViTPatchTokenizer``)."""
+
+    kind: str = "vit_patch"
+    image_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    class_token: bool = True
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size={self.image_size} is not divisible by patch_size={self.patch_size}")
+        if len(self.mean) != self.in_chans or len(self.std) != self.in_chans:
+            raise ValueError(f"mean and std need in_chans={self.in_chans} values each")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass
+class ClassifierHeadConfig:
+    """``model.heads.<name>`` of kind ``classifier`` (``mmformer.models.ClassifierHead``)."""
+
+    kind: str = "classifier"
+    num_classes: int = MISSING
+    pool: str = "cls"  # cls | mean
+    fc_norm: bool = False
+    drop: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.pool not in ("cls", "mean"):
+            raise ValueError(f"pool={self.pool!r}; choose 'cls' or 'mean'")
+        if self.num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+
+
+@dataclass
+class ClassificationTaskConfig:
+    """``tasks.<name>`` of kind ``classification``: cross-entropy on a head's logits, accuracy."""
+
+    kind: str = "classification"
+    weight: float = 1.0
+    tokenizer: str = MISSING  # a model.tokenizers entry
+    head: str = MISSING  # a model.heads entry
+    data: dict[str, Any] = field(default_factory=dict)
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class ImageFolderDataConfig:
+    """``tasks.<name>.data`` of kind ``image_folder``: ``root/<split>/<class>/*.png|jpg|…``.
+
+    ``root`` is a path, or a bundled dataset name (``mmformer data list``) under the data root.
+    """
+
+    kind: str = "image_folder"
+    root: str = MISSING
+    train_split: str = "train"
+    val_split: str = "val"
+    batch_size: int = 64
+    val_batch_size: Optional[int] = None  # default: batch_size
+    num_workers: int = 2
+    crop_padding: int = 0  # training augmentation: RandomCrop(image_size, padding)
+    hflip: bool = False  # training augmentation: horizontal flips
+    drop_last: bool = True
+
+
+@dataclass
+class CIFAR10DataConfig:
+    """``tasks.<name>.data`` of kind ``cifar10``: CIFAR-10's python format (torchvision)."""
+
+    kind: str = "cifar10"
+    root: str = "cifar10"
+    download: bool = False  # fetch from the official URL (needs internet)
+    batch_size: int = 128
+    val_batch_size: Optional[int] = None
+    num_workers: int = 2
+    crop_padding: int = 4
+    hflip: bool = True
+    drop_last: bool = True
+
+
+# --------------------------------------------------------------------------- top-level sections
+@dataclass
+class ModelConfig:
+    tokenizers: dict[str, Any] = field(default_factory=dict)
+    backbone: dict[str, Any] = field(default_factory=dict)
+    heads: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine (or linear / constant) decay to ``min_lr``.
+    Norms, biases, position embeddings and class tokens get no weight decay."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # cosine | linear | constant
+    min_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name != "adamw":
+            raise ValueError(f"optim.name={self.name!r}; only 'adamw' is available")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"schedule={self.schedule!r}; choose cosine | linear | constant")
+        if len(self.betas) != 2:
+            raise ValueError(f"betas needs 2 values, got {self.betas}")
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning ``Trainer`` arguments (the subset recipes may set)."""
+
+    accelerator: str = "auto"
+    devices: Any = "auto"  # int | "auto" | list of ids
+    strategy: str = "auto"
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_epochs: Optional[int] = None
+    max_steps: int = -1
+    max_time: Optional[str] = None  # "DD:HH:MM:SS"
+    gradient_clip_val: Optional[float] = 1.0
+    gradient_clip_algorithm: str = "norm"
+    accumulate_grad_batches: int = 1
+    log_every_n_steps: int = 10
+    val_check_interval: Optional[Any] = None
+    check_val_every_n_epoch: Optional[int] = 1
+    limit_train_batches: Optional[Any] = None
+    limit_val_batches: Optional[Any] = None
+    num_sanity_val_steps: int = 2
+    deterministic: Optional[bool] = None
+    enable_progress_bar: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    """W&B: ``auto`` = online when credentials exist, offline otherwise. A CSV log is always written."""
+
+    mode: str = "auto"  # auto | online | offline | disabled
+    project: str = "mmformer"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "online", "offline", "disabled"):
+            raise ValueError(f"mode={self.mode!r}; choose auto | online | offline | disabled")
+
+
+@dataclass
+class CheckpointConfig:
+    monitor: Optional[str] = None  # default: the first task's main validation metric
+    mode: Optional[str] = None  # min | max; default: the monitored metric's own direction
+    save_top_k: int = 1
+    every_n_train_steps: Optional[int] = None
+    save_last: bool = True
+
+
+@dataclass
+class RecipeConfig:
+    name: str = MISSING
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tasks: dict[str, Any] = field(default_factory=dict)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: Optional[str] = None  # auto | PATH to a .ckpt
+
+
+# --------------------------------------------------------------------------- loading
+def load_recipe(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeConfig:
+    """Load a recipe file (or YAML text with ``from_string=True`` via ``recipe_from_yaml``).
+
+    Raises:
+        RecipeError: unreadable YAML, unknown keys (with a did-you-mean), wrong types, bad values.
+        FileNotFoundError: the recipe file does not exist.
+    """
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe file not found: {path}")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as e:  # yaml.YAMLError and friends
+        raise RecipeError(f"{path}: not valid YAML: {e}") from e
+    return _resolve(raw, overrides, str(path))
+
+
+def recipe_from_yaml(text: str, overrides: list[str] | tuple[str, ...] = ()) -> RecipeConfig:
+    """Load a recipe from YAML text (as stored in checkpoints)."""
+    return _resolve(OmegaConf.create(text), overrides, "<yaml>")
+
+
+def recipe_to_yaml(recipe: RecipeConfig) -> str:
+    """The resolved recipe, defaults included, as plain YAML text (reloads to an equal recipe)."""
+    return OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(recipe)))
+
+
+def recipe_to_dict(recipe: RecipeConfig) -> dict:
+    """The resolved recipe as plain dicts / lists / scalars (for loggers and YAML)."""
+    return asdict(recipe)
+
+
+def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
+    if not isinstance(raw, DictConfig):
+        raise RecipeError(f"{origin}: a recipe must be a mapping of sections, got {type(raw).__name__}")
+    cfg = _guard("", lambda: OmegaConf.merge(OmegaConf.structured(RecipeConfig), raw), RecipeConfig)
+    for item in overrides:
+        key, value = _parse_override(item)
+        _guard("", lambda: OmegaConf.update(cfg, key, value, merge=True), RecipeConfig, key)
+    _guard("", lambda: OmegaConf.resolve(cfg), RecipeConfig)
+    for f in fields(RecipeConfig):  # validate section by section, so errors name their section
+        if is_dataclass(f.type) or f.name in ("optim", "trainer", "logger", "checkpoint"):
+            _guard(f.name, lambda n=f.name: OmegaConf.to_object(cfg[n]), RecipeConfig)
+    recipe: RecipeConfig = _guard("", lambda: OmegaConf.to_object(cfg), RecipeConfig)
+
+    model = recipe.model
+    model.backbone = _component("backbone", model.backbone, "model.backbone", default_kind="transformer")
+    model.tokenizers = {k: _component("tokenizer", v, f"model.tokenizers.{k}") for k, v in model.tokenizers.items()}
+    model.heads = {k: _component("head", v, f"model.heads.{k}") for k, v in model.heads.items()}
+    tasks = {}
+    for name, node in recipe.tasks.items():
+        task = _component("task", node, f"tasks.{name}")
+        task.data = _component("dataset", task.data, f"tasks.{name}.data")
+        tasks[name] = task
+    recipe.tasks = tasks
+    _check_references(recipe)
+    return recipe
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise RecipeError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
+    key, _, text = item.partition("=")
+    value = OmegaConf.from_dotlist([f"v={text}"]).v  # YAML typing: 1e-3 float, null None, false bool
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    return key.strip(), value
+
+
+def _component(group: str, node: Any, where: str, default_kind: str | None = None):
+    """Validate one component node against the dataclass registered for its ``kind``."""
+    if is_dataclass(node):  # already validated (re-resolving a resolved recipe)
+        node = OmegaConf.to_container(OmegaConf.structured(node))
+    if not isinstance(node, dict):
+        raise RecipeError(f"'{where}' must be a mapping with a 'kind', got {node!r}")
+    kind = node.get("kind", default_kind)
+    if kind is None:
+        raise RecipeError(f"'{where}' needs a 'kind' (the {group} to build)")
+    try:
+        entry = lookup(group, kind, where + ".kind")
+    except KeyError as e:
+        raise RecipeError(e.args[0]) from None
+    node = dict(node, kind=kind)
+    merged = _guard(where, lambda: OmegaConf.merge(OmegaConf.structured(entry.config), node), entry.config)
+    return _guard(where, lambda: OmegaConf.to_object(merged), entry.config)
+
+
+def _guard(prefix: str, fn, schema: type, key_hint: str | None = None):
+    """Run an OmegaConf operation, turning its errors into a RecipeError naming the full key."""
+    try:
+        return fn()
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or key_hint or ""
+        full = f"{prefix}.{key}" if prefix and key else (prefix or key)
+        first = str(e).split("\n")[0]
+        if "not in" in first or "Key '" in first and "not" in first:
+            raise RecipeError(_unknown_key_message(full, schema, key)) from None
+        if "Missing mandatory value" in first:
+            raise RecipeError(f"'{full}' is required but not set") from None
+        m = re.match(r"Value '(.*)' of type '(.*)' could not be converted to (\w+)", first)
+        if m:
+            raise RecipeError(f"'{full}' expects {m.group(3)}, got {m.group(1)!r} ({m.group(2)})") from None
+        raise RecipeError(f"'{full}': {first}") from None
+    except (ValueError, TypeError, KeyError) as e:
+        if isinstance(e, RecipeError):
+            raise
+        raise RecipeError(f"'{prefix or schema.__name__}': {e.args[0] if e.args else e}") from None
+
+
+def _unknown_key_message(full: str, schema: type, key: str) -> str:
+    parent = _schema_at(schema, key.split(".")[:-1]) if key else None
+    last = full.split(".")[-1]
+    options = [f.name for f in fields(parent)] if parent else []
+    close = difflib.get_close_matches(last, options, n=1, cutoff=0.5)
+    base = full.rsplit(".", 1)[0] + "." if "." in full else ""
+    hint = f" Did you mean '{base}{close[0]}'?" if close else ""
+    valid = f" Valid keys here: {', '.join(options)}." if options else ""
+    return f"unknown recipe key '{full}'.{hint}{valid}"
+
+
+def _schema_at(schema: type, path: list[str]) -> type | None:
+    """The dataclass that describes the node at ``path`` inside ``schema`` (None when free-form)."""
+    import typing
+
+    cls = schema
+    for part in path:
+        if not is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None
+        cls = hints[part]
+        if typing.get_origin(cls) is not None:  # dict / list / Optional: free-form below here
+            return None
+    return cls if is_dataclass(cls) else None
+
+
+def _check_references(recipe: RecipeConfig) -> None:
+    if not recipe.tasks:
+        raise RecipeError("the recipe has no 'tasks'; add at least one (e.g. tasks: {mnist: {kind: ...}})")
+    for name, task in recipe.tasks.items():
+        for attr, table in (("tokenizer", recipe.model.tokenizers), ("head", recipe.model.heads)):
+            ref = getattr(task, attr, None)
+            if ref is not None and ref not in table:
+                close = difflib.get_close_matches(ref, table, n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise RecipeError(
+                    f"'tasks.{name}.{attr}' refers to {ref!r}, which is not in model.{attr}s "
+                    f"({', '.join(table) or 'none defined'}).{hint}"
+                )
+
+
+def clone(recipe: RecipeConfig) -> RecipeConfig:
+    return copy.deepcopy(recipe)

@@ -1,0 +1,1 @@
+"""Datasets, the multi-task datamodule, collation and bundled-dataset preparation."""

@@ -1,0 +1,75 @@
+"""One LightningDataModule for every recipe: each task contributes a ``TaskData`` (train / val
+datasets and loader settings) and every step receives ``{task_name: batch}`` (DESIGN.md).
+
+Training loaders shard and shuffle with torch's ``DistributedSampler`` (seeded; Lightning calls
+``set_epoch`` each epoch, so the order is reproducible and resumable at epoch boundaries); evaluation
+loaders shard without padding (``EvalShardSampler``) so synchronised metrics count each sample once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lightning as L
+from lightning.pytorch.utilities import CombinedLoader
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .samplers import EvalShardSampler
+
+
+@dataclass
+class TaskData:
+    train: Dataset
+    val: Dataset
+    collate: Callable
+    batch_size: int
+    val_batch_size: int
+    num_workers: int = 0
+    drop_last: bool = True
+
+
+class MultiTaskDataModule(L.LightningDataModule):
+    """Args:
+        factories: task name → zero-argument function building that task's ``TaskData`` (called in
+            ``setup``, in every process).
+        seed: shuffling seed shared by all ranks.
+    """
+
+    def __init__(self, factories: dict[str, Callable[[], TaskData]], seed: int = 0):
+        super().__init__()
+        self.factories, self.seed = factories, seed
+        self.data: dict[str, TaskData] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.data:
+            self.data = {name: make() for name, make in self.factories.items()}
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self._trainer if hasattr(self, "_trainer") else None
+        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+
+    def _loader(self, d: TaskData, dataset: Dataset, train: bool) -> DataLoader:
+        world, rank = self._world()
+        if train:
+            sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                         seed=self.seed, drop_last=d.drop_last)
+        else:
+            sampler = EvalShardSampler(len(dataset), world, rank)
+        return DataLoader(
+            dataset,
+            batch_size=d.batch_size if train else d.val_batch_size,
+            sampler=sampler,
+            num_workers=d.num_workers,
+            collate_fn=d.collate,
+            drop_last=d.drop_last and train,
+            persistent_workers=d.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> CombinedLoader:
+        self.setup()
+        return CombinedLoader({n: self._loader(d, d.train, True) for n, d in self.data.items()}, "max_size_cycle")
+
+    def val_dataloader(self) -> CombinedLoader:
+        self.setup()
+        return CombinedLoader({n: self._loader(d, d.val, False) for n, d in self.data.items()}, "max_size")

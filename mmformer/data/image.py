@@ -1,0 +1,78 @@
+"""Builders of image-classification ``TaskData``: image folders (users' own data, bundled
+datasets) and CIFAR-10's python format (torchvision, with its real download path)."""
+
+from __future__ import annotations
+
+from ..tokenizers.image import ImagePreprocess
+from .collate import collate_classification
+from .datamodule import TaskData
+from .image_folder import ImageFolder, TorchvisionClassification, find_classes
+from .roots import resolve_root
+
+
+def _augment(cfg, image_size: int) -> list:
+    from torchvision.transforms import v2
+
+    aug = []
+    if cfg.crop_padding > 0:
+        aug.append(v2.RandomCrop(image_size, padding=cfg.crop_padding))
+    if cfg.hflip:
+        aug.append(v2.RandomHorizontalFlip())
+    return aug
+
+
+def _preprocess(cfg, tok) -> tuple[ImagePreprocess, ImagePreprocess]:
+    train = ImagePreprocess(tok.image_size, tok.in_chans, tok.mean, tok.std, _augment(cfg, tok.image_size))
+    val = ImagePreprocess(tok.image_size, tok.in_chans, tok.mean, tok.std)
+    return train, val
+
+
+def image_folder_data(cfg, tok, num_classes: int | None = None) -> TaskData:
+    """``cfg``: ``ImageFolderDataConfig``; ``tok``: the image tokenizer's config (size, channels, mean/std).
+
+    Raises:
+        DataNotFoundError / FileNotFoundError: a missing root or split.
+        ValueError: the number of class folders differs from the head's ``num_classes``.
+    """
+    root = resolve_root(cfg.root)
+    classes = find_classes(root / cfg.train_split)
+    if num_classes is not None and len(classes) != num_classes:
+        raise ValueError(f"{root / cfg.train_split} has {len(classes)} class folders but the head has "
+                         f"num_classes={num_classes}")
+    train_tf, val_tf = _preprocess(cfg, tok)
+    return TaskData(
+        train=ImageFolder(root / cfg.train_split, classes, train_tf),
+        val=ImageFolder(root / cfg.val_split, classes, val_tf),
+        collate=collate_classification,
+        batch_size=cfg.batch_size,
+        val_batch_size=cfg.val_batch_size or cfg.batch_size,
+        num_workers=cfg.num_workers,
+        drop_last=cfg.drop_last,
+    )
+
+
+def cifar10_data(cfg, tok, num_classes: int | None = None) -> TaskData:
+    """CIFAR-10 (Krizhevsky 2009) in its python format under ``root``; ``download: true`` fetches it
+    from the official URL through torchvision (needs internet)."""
+    from pathlib import Path
+
+    from torchvision.datasets import CIFAR10
+
+    from .roots import DataNotFoundError, data_root
+
+    root = Path(cfg.root) if Path(cfg.root).is_absolute() or Path(cfg.root).exists() else data_root() / cfg.root
+    if not cfg.download and not (root / "cifar-10-batches-py").is_dir():
+        raise DataNotFoundError(f"CIFAR-10 not found at {root / 'cifar-10-batches-py'}; set data.download=true "
+                                "to fetch it (needs internet) or point data.root at an extracted copy")
+    if num_classes is not None and num_classes != 10:
+        raise ValueError(f"CIFAR-10 has 10 classes but the head has num_classes={num_classes}")
+    train_tf, val_tf = _preprocess(cfg, tok)
+    return TaskData(
+        train=TorchvisionClassification(CIFAR10(str(root), train=True, download=cfg.download), train_tf),
+        val=TorchvisionClassification(CIFAR10(str(root), train=False, download=cfg.download), val_tf),
+        collate=collate_classification,
+        batch_size=cfg.batch_size,
+        val_batch_size=cfg.val_batch_size or cfg.batch_size,
+        num_workers=cfg.num_workers,
+        drop_last=cfg.drop_last,
+    )

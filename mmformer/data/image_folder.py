@@ -1,0 +1,95 @@
+"""Image datasets returning the fixed batch keys ``image`` (C, H, W) float and ``label`` long.
+
+``ImageFolder``: ``<root>/<split>/<class name>/<file>``, the class index is the position of the
+sub-folder in sorted order of the training split (torchvision ``ImageFolder`` convention).
+Unreadable images are reported with their path, replaced by the next readable sample (so batch
+shapes stay fixed and DDP ranks stay in step) and listed in the batch under ``bad_samples``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+log = logging.getLogger("mmformer.data")
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+MAX_CONSECUTIVE_BAD = 50
+
+
+def find_classes(split_dir: Path) -> list[str]:
+    """Sorted sub-folder names of ``split_dir``. Raises ``FileNotFoundError`` when there are none."""
+    if not split_dir.is_dir():
+        raise FileNotFoundError(f"image folder split {str(split_dir)!r} does not exist")
+    classes = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise FileNotFoundError(f"{split_dir} has no class sub-folders (expected <split>/<class>/<image>)")
+    return classes
+
+
+class ImageFolder(Dataset):
+    """Args:
+        split_dir: ``<root>/<split>``.
+        classes: class names in label order (take them from the training split).
+        transform: PIL image → tensor (the image tokenizer's data-side half).
+
+    Raises:
+        FileNotFoundError: a missing split folder, or one without images.
+        ValueError: a class folder that is not among ``classes``.
+    """
+
+    def __init__(self, split_dir: Path, classes: list[str], transform: Callable):
+        self.split_dir, self.classes, self.transform = Path(split_dir), list(classes), transform
+        index = {c: i for i, c in enumerate(self.classes)}
+        self.samples: list[tuple[str, int]] = []
+        for name in find_classes(self.split_dir):
+            if name not in index:
+                raise ValueError(f"{self.split_dir / name}: class {name!r} is not among the training "
+                                 f"classes {self.classes}")
+            files = sorted(p for p in (self.split_dir / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+            self.samples += [(str(p), index[name]) for p in files]
+        if not self.samples:
+            raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.split_dir}")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def load(self, i: int) -> torch.Tensor:
+        from PIL import Image
+
+        with Image.open(self.samples[i][0]) as im:
+            return self.transform(im)
+
+    def __getitem__(self, i: int) -> dict:
+        bad: list[str] = []
+        for attempt in range(MAX_CONSECUTIVE_BAD):
+            j = (i + attempt) % len(self.samples)
+            try:
+                image = self.load(j)
+            except Exception as e:  # PIL raises many types for corrupt files
+                path = self.samples[j][0]
+                log.warning("unreadable image skipped: %s (%s: %s)", path, type(e).__name__, e)
+                bad.append(path)
+                continue
+            return {"image": image, "label": self.samples[j][1], "bad_samples": bad}
+        raise RuntimeError(f"{MAX_CONSECUTIVE_BAD} consecutive unreadable images from {self.samples[i][0]} on; "
+                           f"is {self.split_dir} an image folder?")
+
+
+class TorchvisionClassification(Dataset):
+    """Wrap a torchvision classification dataset (``(PIL image, int)`` items) into mmformer batch keys."""
+
+    def __init__(self, dataset, transform: Callable):
+        self.dataset, self.transform = dataset, transform
+        self.classes = list(getattr(dataset, "classes", []))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        image, label = self.dataset[i]
+        return {"image": self.transform(image), "label": int(label), "bad_samples": []}

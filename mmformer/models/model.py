@@ -1,0 +1,52 @@
+"""The composed multimodal model: ``tokenizers: dict + backbone + heads: dict`` (torchtune's
+early-fusion model). Parameter names: ``tokenizers.<name>.*``, ``backbone.*``, ``heads.<name>.*``.
+
+Shape legend: B batch, N tokens, D model width.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..nn.tokens import Tokens
+from .backbone import Backbone
+
+
+class MultimodalModel(nn.Module):
+    """Modality tokenizers feeding one shared backbone, read out by named heads.
+
+    Args:
+        tokenizers: name → model-side tokenizer (returns ``Tokens`` of width ``backbone.d_model``).
+        backbone: the shared ``Backbone``.
+        heads: name → head module ``(hidden (B, N, D), tokens) → output``.
+    """
+
+    def __init__(self, tokenizers: dict[str, nn.Module], backbone: Backbone, heads: dict[str, nn.Module]):
+        super().__init__()
+        self.tokenizers = nn.ModuleDict(tokenizers)
+        self.backbone = backbone
+        self.heads = nn.ModuleDict(heads)
+
+    def encode(self, tokenizer: str, inputs: Tensor) -> tuple[Tensor, Tokens]:
+        """Tokenize ``inputs`` with ``tokenizers[tokenizer]`` and run the backbone.
+
+        Returns ``(hidden (B, N, D), tokens)``. Raises ``KeyError`` naming the known tokenizers.
+        """
+        if tokenizer not in self.tokenizers:
+            raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
+        tokens = self.tokenizers[tokenizer](inputs)
+        return self.backbone(tokens), tokens
+
+    def forward(self, inputs: Tensor, tokenizer: str, head: str) -> Tensor:
+        """``heads[head](backbone(tokenizers[tokenizer](inputs)))``."""
+        hidden, tokens = self.encode(tokenizer, inputs)
+        return self.heads[head](hidden, tokens)
+
+    def no_weight_decay(self) -> set[str]:
+        """Full names of parameters exempt from weight decay besides norms and biases
+        (position embeddings, class tokens), collected from sub-modules' ``no_weight_decay()``."""
+        names: set[str] = set()
+        for prefix, module in self.named_modules():
+            if module is not self and hasattr(module, "no_weight_decay"):
+                names |= {f"{prefix}.{n}" for n in module.no_weight_decay()}
+        return names

@@ -1,0 +1,92 @@
+"""Tokens: the one thing a modality tokenizer hands the backbone (DESIGN.md, Contracts).
+
+Shape legend: B batch, N tokens, D model width, P position axes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+# Modality ids carried in ``Tokens.modality``; a tokenizer stamps its own id on every token.
+MODALITY_IDS = {"text": 0, "image": 1, "audio": 2, "diffusion": 3}
+
+
+@dataclass
+class Tokens:
+    """A batch of token embeddings and their per-token metadata.
+
+    Attributes:
+        x: ``(B, N, D)`` float embeddings, absolute position embeddings already added.
+        valid: ``(B, N)`` bool, ``True`` for real tokens, ``False`` for padding.
+        positions: ``(B, N, P)`` long position indices for relative schemes applied in attention.
+        document: ``(B, N)`` long packed-sequence ids; tokens attend only within their document.
+        modality: ``(B, N)`` long, which tokenizer made each token (``MODALITY_IDS``).
+    """
+
+    x: Tensor
+    valid: Tensor
+    positions: Tensor
+    document: Tensor
+    modality: Tensor
+
+    def __post_init__(self) -> None:
+        B, N = self.x.shape[:2]
+        for name in ("valid", "document", "modality"):
+            t = getattr(self, name)
+            if t.shape != (B, N):
+                raise ValueError(f"Tokens.{name} must have shape {(B, N)}, got {tuple(t.shape)}")
+        if self.positions.dim() != 3 or self.positions.shape[:2] != (B, N):
+            raise ValueError(f"Tokens.positions must have shape (B, N, P)={(B, N)}+(P,), "
+                             f"got {tuple(self.positions.shape)}")
+        if self.valid.dtype != torch.bool:
+            raise TypeError(f"Tokens.valid must be bool, got {self.valid.dtype}")
+
+    @classmethod
+    def from_embeddings(
+        cls,
+        x: Tensor,
+        modality: int,
+        valid: Tensor | None = None,
+        positions: Tensor | None = None,
+        n_pos_axes: int = 1,
+    ) -> Tokens:
+        """Fill every field with its default: all valid, consecutive positions, one document.
+
+        Args:
+            x: ``(B, N, D)`` embeddings.
+            modality: the tokenizer's modality id.
+            valid: optional ``(B, N)`` bool; default all ``True``.
+            positions: optional ``(B, N, P)`` long; default ``0..N-1`` repeated on ``n_pos_axes`` axes.
+        """
+        B, N = x.shape[:2]
+        dev = x.device
+        if valid is None:
+            valid = torch.ones(B, N, dtype=torch.bool, device=dev)
+        if positions is None:
+            positions = torch.arange(N, device=dev).view(1, N, 1).expand(B, N, n_pos_axes)
+        document = torch.zeros(B, N, dtype=torch.long, device=dev)
+        modality_t = torch.full((B, N), modality, dtype=torch.long, device=dev)
+        return cls(x=x, valid=valid, positions=positions, document=document, modality=modality_t)
+
+    @property
+    def all_valid(self) -> bool:
+        """True when no token is padding (forces a host sync on accelerators)."""
+        return bool(self.valid.all())
+
+
+def cat_tokens(parts: list[Tokens]) -> Tokens:
+    """Concatenate Tokens along the token axis (every field), e.g. image prefix + text.
+
+    Raises:
+        ValueError: if batch size, width or number of position axes differ.
+    """
+    if not parts:
+        raise ValueError("cat_tokens needs at least one Tokens")
+    B, D, P = parts[0].x.shape[0], parts[0].x.shape[-1], parts[0].positions.shape[-1]
+    for t in parts[1:]:
+        if t.x.shape[0] != B or t.x.shape[-1] != D or t.positions.shape[-1] != P:
+            raise ValueError("cat_tokens: parts differ in batch size, width or position axes")
+    return Tokens(**{f.name: torch.cat([getattr(t, f.name) for t in parts], dim=1) for f in fields(Tokens)})

@@ -1,0 +1,100 @@
+"""The LightningModule every recipe trains: the composed model plus one objective per task.
+
+Each step receives ``{task_name: batch}``; the training loss is the weighted sum of the tasks'
+losses. Logged: ``train/<task>/loss``, ``train/loss``, ``lr``, ``train/grad_norm``,
+``val/<task>/<metric>`` (torchmetrics objects, synchronised across ranks at epoch end).
+Checkpoints carry the resolved recipe as plain YAML text and the RNG states, so they load with
+``torch.load(weights_only=True)`` and resumed runs continue the same random streams.
+"""
+
+from __future__ import annotations
+
+import random
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import grad_norm
+from torch import nn
+
+from ..models.model import MultimodalModel
+from ..training.optim import build_optimizer, build_scheduler
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    random.setstate(state["python"])
+
+
+class MultiTaskModule(L.LightningModule):
+    """Args:
+        model: the composed ``MultimodalModel``.
+        tasks: task name → objective module (``training_loss``, ``validation_update``, ``val_metrics``).
+        weights: task name → loss weight.
+        optim: ``OptimConfig``.
+        recipe_yaml: the resolved recipe, stored in every checkpoint.
+    """
+
+    def __init__(self, model: MultimodalModel, tasks: dict[str, nn.Module], weights: dict[str, float], optim,
+                 recipe_yaml: str = ""):
+        super().__init__()
+        self.model = model
+        self.tasks = nn.ModuleDict(tasks)
+        self.weights, self.optim_cfg, self.recipe_yaml = dict(weights), optim, recipe_yaml
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, batch: dict[str, dict], batch_idx: int) -> torch.Tensor:
+        total = 0.0
+        for name, task_batch in batch.items():
+            if task_batch is None:
+                continue
+            task = self.tasks[name]
+            loss = task.training_loss(self.model, task_batch)
+            total = total + self.weights[name] * loss
+            self.log(f"train/{name}/loss", loss, batch_size=task.batch_size(task_batch))
+        self.log("train/loss", total, prog_bar=True)
+        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True)
+        return total
+
+    def validation_step(self, batch: dict[str, dict], batch_idx: int) -> None:
+        for name, task_batch in batch.items():
+            if task_batch is None:
+                continue
+            task = self.tasks[name]
+            task.validation_update(self.model, task_batch)
+            for metric_name, metric in task.val_metrics.items():
+                self.log(f"val/{name}/{metric_name}", metric, on_step=False, on_epoch=True,
+                         prog_bar=metric_name != "loss", batch_size=task.batch_size(task_batch))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
+            self.log("train/grad_norm", grad_norm(self.model, norm_type=2)["grad_2.0_norm_total"])
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self):
+        optimizer = build_optimizer(self.model, self.optim_cfg)
+        scheduler = build_scheduler(optimizer, self.optim_cfg, int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["mmformer"] = {"recipe_yaml": self.recipe_yaml, "rng": _rng_state()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("mmformer", {})
+        if "rng" in state:
+            _set_rng_state(state["rng"])

@@ -1,0 +1,131 @@
+"""Run folders: ``runs/<recipe name>/<run id>/`` with ``recipe.yaml``, ``run.json``, ``checkpoints/``,
+``metrics.csv`` and ``wandb/`` (DESIGN.md, Runs). The runs root is ``$MMFORMER_RUNS`` (default ``runs``).
+
+Every process of a multi-process run must agree on the run folder. The first process picks the run id
+and exports it (``MMFORMER_RUN_ID``, ``MMFORMER_RESUME_PATH``) before Lightning launches the others,
+which inherit the environment; torchrun and SLURM launches derive it from their job ids.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+
+RUN_ID_ENV, RESUME_ENV = "MMFORMER_RUN_ID", "MMFORMER_RESUME_PATH"
+
+
+@dataclass
+class Run:
+    name: str
+    run_id: str
+    dir: Path
+    resume_from: Path | None
+    wandb_id: str
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.dir / "checkpoints"
+
+
+def runs_root() -> Path:
+    return Path(os.environ.get("MMFORMER_RUNS", "runs"))
+
+
+def _new_run_id() -> str:
+    for var, prefix in (("SLURM_JOB_ID", "slurm"), ("TORCHELASTIC_RUN_ID", "torchrun")):
+        if os.environ.get(var) and os.environ[var] != "none":
+            return f"{prefix}-{os.environ[var]}"
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def find_latest_resumable(name: str) -> Path | None:
+    """The newest ``last.ckpt`` among runs of recipe ``name``."""
+    folder = runs_root() / name
+    candidates = sorted(folder.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    return candidates[-1] if candidates else None
+
+
+def open_run(name: str, resume: str | None) -> Run:
+    """Create (or, for ``resume``, reopen) the run folder and agree on it across processes.
+
+    ``resume``: ``None`` (new run), ``"auto"`` (newest ``last.ckpt`` of this recipe name, else a new run)
+    or a checkpoint path (its run folder is reused when it lies inside one).
+
+    Raises:
+        FileNotFoundError: ``resume`` names a checkpoint that does not exist.
+    """
+    if os.environ.get(RUN_ID_ENV):  # a child process: the launcher already decided
+        run_id = os.environ[RUN_ID_ENV]
+        resume_from = Path(os.environ[RESUME_ENV]) if os.environ.get(RESUME_ENV) else None
+        run_dir = runs_root() / name / run_id
+    else:
+        resume_from = None
+        if resume == "auto":
+            resume_from = find_latest_resumable(name)
+        elif resume:
+            resume_from = Path(resume)
+            if not resume_from.is_file():
+                raise FileNotFoundError(f"resume checkpoint {str(resume_from)!r} does not exist")
+        if resume_from is not None and resume_from.parent.name == "checkpoints":
+            run_dir = resume_from.parent.parent
+            run_id = run_dir.name
+        else:
+            run_id = _new_run_id()
+            run_dir = runs_root() / name / run_id
+        os.environ[RUN_ID_ENV] = run_id
+        if resume_from is not None:
+            os.environ[RESUME_ENV] = str(resume_from.resolve())
+    info = read_run_json(run_dir)
+    wandb_id = info.get("wandb_id") or _wandb_id(run_id)
+    return Run(name=name, run_id=run_id, dir=run_dir, resume_from=resume_from, wandb_id=wandb_id)
+
+
+def _wandb_id(run_id: str) -> str:
+    # Deterministic, so every process derives the same id; W&B ids allow [A-Za-z0-9_-].
+    return run_id.replace(".", "-")
+
+
+def read_run_json(run_dir: Path) -> dict:
+    path = run_dir / "run.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class RunFolder(L.Callback):
+    """Writes ``recipe.yaml`` and ``run.json`` from the global-zero process when training starts;
+    on resume ``run.json`` keeps its run and W&B ids and gains a resume record."""
+
+    def __init__(self, run: Run, recipe_yaml: str):
+        self.run, self.recipe_yaml = run, recipe_yaml
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not trainer.is_global_zero:
+            return
+        self.run.dir.mkdir(parents=True, exist_ok=True)
+        (self.run.dir / "recipe.yaml").write_text(self.recipe_yaml)
+        info = read_run_json(self.run.dir)
+        now = dt.datetime.now().isoformat(timespec="seconds")
+        if not info:
+            info = {"run_id": self.run.run_id, "wandb_id": self.run.wandb_id, "recipe": self.run.name,
+                    "git_commit": git_commit(), "start_time": now, "world_size": trainer.world_size,
+                    "resumes": []}
+        if self.run.resume_from is not None:
+            info.setdefault("resumes", []).append({"time": now, "from": str(self.run.resume_from)})
+        tmp = self.run.dir / "run.json.tmp"
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        os.replace(tmp, self.run.dir / "run.json")

@@ -1,0 +1,47 @@
+"""Our ViT (tokenizer + backbone + classifier head) equals timm's VisionTransformer when timm's
+state dict is mapped onto it by prefixes alone — the names and the math are timm's."""
+
+import pytest
+import torch
+
+from mmformer.models import Backbone, ClassifierHead, MultimodalModel
+from mmformer.tokenizers import ViTPatchTokenizer
+
+TOKENIZER_KEYS = ("patch_embed.", "cls_token", "pos_embed")
+HEAD_KEYS = ("fc_norm.", "head.")
+
+
+def timm_to_mmformer(state: dict, head: str = "cls") -> dict:
+    out = {}
+    for k, v in state.items():
+        if k.startswith(TOKENIZER_KEYS):
+            out[f"tokenizers.image.{k}"] = v
+        elif k.startswith(HEAD_KEYS):
+            out[f"heads.{head}.{k}"] = v
+        else:  # blocks.*, norm.*
+            out[f"backbone.{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_vit_matches_timm(pool):
+    timm = pytest.importorskip("timm")
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    ref = VisionTransformer(img_size=32, patch_size=8, in_chans=3, num_classes=5, embed_dim=48, depth=2,
+                            num_heads=3, global_pool=pool).eval()
+    for p in ref.parameters():  # timm zero-inits nothing we would miss: randomise everything
+        torch.nn.init.normal_(p, std=0.05)
+    avg = pool == "avg"
+    ours = MultimodalModel(
+        {"image": ViTPatchTokenizer(48, 32, 8, 3)},
+        Backbone(48, 2, 3, final_norm=not avg),
+        {"cls": ClassifierHead(48, 5, pool="mean" if avg else "cls", fc_norm=avg)},
+    ).eval()
+    missing, unexpected = ours.load_state_dict(timm_to_mmformer(ref.state_dict()), strict=True)
+    assert not missing and not unexpected
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, "image", "cls"), ref(x), atol=1e-5, rtol=1e-5)
+    assert timm.__version__
