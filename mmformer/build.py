@@ -28,7 +28,7 @@ from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
 from .tokenizers import ViTPatchTokenizer
 from .training.callbacks import BadSampleReport, ThroughputLogger
-from .training.checkpoint_io import AtomicCheckpointIO
+from .training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
 from .training.loggers import build_loggers
 from .training.runs import Run, RunFolder
 
@@ -37,23 +37,40 @@ from .training.runs import Run, RunFolder
 @register("backbone", "transformer", BackboneConfig)
 def build_transformer(cfg: BackboneConfig) -> Backbone:
     return Backbone(
-        d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-        mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias, drop=cfg.drop, attn_drop=cfg.attn_drop,
-        drop_path=cfg.drop_path, norm_eps=cfg.norm_eps, final_norm=cfg.final_norm, causal=cfg.causal,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        mlp_ratio=cfg.mlp_ratio,
+        qkv_bias=cfg.qkv_bias,
+        drop=cfg.drop,
+        attn_drop=cfg.attn_drop,
+        drop_path=cfg.drop_path,
+        norm_eps=cfg.norm_eps,
+        final_norm=cfg.final_norm,
+        causal=cfg.causal,
         attn_kernel=cfg.attn_kernel,
     )
 
 
 @register("tokenizer", "vit_patch", ViTPatchConfig)
 def build_vit_patch(cfg: ViTPatchConfig, d_model: int) -> ViTPatchTokenizer:
-    return ViTPatchTokenizer(d_model, cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.class_token,
-                             tuple(cfg.mean), tuple(cfg.std))
+    return ViTPatchTokenizer(
+        d_model,
+        cfg.image_size,
+        cfg.patch_size,
+        cfg.in_chans,
+        cfg.class_token,
+        tuple(cfg.mean),
+        tuple(cfg.std),
+    )
 
 
 @register("head", "classifier", ClassifierHeadConfig)
 def build_classifier(cfg: ClassifierHeadConfig, d_model: int, tokenizer) -> ClassifierHead:
-    return ClassifierHead(d_model, cfg.num_classes, cfg.pool, getattr(tokenizer, "num_prefix_tokens", 0),
-                          cfg.fc_norm, cfg.drop)
+    return ClassifierHead(
+        d_model, cfg.num_classes, cfg.pool, getattr(tokenizer, "num_prefix_tokens", 0), cfg.fc_norm, cfg.drop
+    )
 
 
 @register("task", "classification", ClassificationTaskConfig)
@@ -125,25 +142,50 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
     monitor, mode = default_monitor(recipe, module)
     ck = recipe.checkpoint
     checkpoint = ModelCheckpoint(
-        dirpath=str(run.checkpoints), filename="best-epoch{epoch:03d}-step{step:06d}", monitor=monitor,
-        mode=mode, save_top_k=ck.save_top_k, save_last=ck.save_last, auto_insert_metric_name=False,
+        dirpath=str(run.checkpoints),
+        filename="best-epoch{epoch:03d}-step{step:06d}",
+        monitor=monitor,
+        mode=mode,
+        save_top_k=ck.save_top_k,
+        save_last=False,  # LastCheckpoint keeps last.ckpt fresh
+        auto_insert_metric_name=False,
         every_n_train_steps=ck.every_n_train_steps,
     )
-    loggers = build_loggers(recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id,
-                            recipe_to_dict(recipe))
+    last = [LastCheckpoint(str(run.checkpoints), ck.every_n_train_steps)] if ck.save_last else []
+    loggers = build_loggers(
+        recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
+    )
     t = recipe.trainer
     return L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
-        precision=t.precision, max_epochs=t.max_epochs, max_steps=t.max_steps, max_time=t.max_time,
-        gradient_clip_val=t.gradient_clip_val, gradient_clip_algorithm=t.gradient_clip_algorithm,
-        accumulate_grad_batches=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
-        val_check_interval=t.val_check_interval, check_val_every_n_epoch=t.check_val_every_n_epoch,
-        limit_train_batches=t.limit_train_batches, limit_val_batches=t.limit_val_batches,
-        num_sanity_val_steps=t.num_sanity_val_steps, deterministic=t.deterministic,
-        enable_progress_bar=t.enable_progress_bar, default_root_dir=str(run.dir),
+        accelerator=t.accelerator,
+        devices=t.devices,
+        strategy=t.strategy,
+        num_nodes=t.num_nodes,
+        precision=t.precision,
+        max_epochs=t.max_epochs,
+        max_steps=t.max_steps,
+        max_time=t.max_time,
+        gradient_clip_val=t.gradient_clip_val,
+        gradient_clip_algorithm=t.gradient_clip_algorithm,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval,
+        check_val_every_n_epoch=t.check_val_every_n_epoch,
+        limit_train_batches=t.limit_train_batches,
+        limit_val_batches=t.limit_val_batches,
+        num_sanity_val_steps=t.num_sanity_val_steps,
+        deterministic=t.deterministic,
+        enable_progress_bar=t.enable_progress_bar,
+        default_root_dir=str(run.dir),
         use_distributed_sampler=False,  # the datamodule shards itself (no padded evaluation)
         logger=loggers,
-        callbacks=[RunFolder(run, recipe_to_yaml(recipe)), checkpoint, ThroughputLogger(), BadSampleReport(),
-                   *extra_callbacks],
+        callbacks=[
+            RunFolder(run, recipe_to_yaml(recipe)),
+            checkpoint,
+            *last,
+            ThroughputLogger(),
+            BadSampleReport(),
+            *extra_callbacks,
+        ],
         plugins=[AtomicCheckpointIO()],
     )

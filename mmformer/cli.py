@@ -1,9 +1,9 @@
 """``mmformer train | validate | info | data`` — a thin layer over ``config`` and ``build``.
 
-    mmformer train RECIPE.yaml [key=value ...]     e.g. optim.lr=3e-4 trainer.devices=2 resume=auto
-    mmformer validate CHECKPOINT.ckpt [key=value ...]
-    mmformer info RECIPE.yaml [key=value ...]
-    mmformer data prepare NAME [--force] | mmformer data list
+mmformer train RECIPE.yaml [key=value ...]     e.g. optim.lr=3e-4 trainer.devices=2 resume=auto
+mmformer validate CHECKPOINT.ckpt [key=value ...]
+mmformer info RECIPE.yaml [key=value ...]
+mmformer data prepare NAME [--force] | mmformer data list
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 log = logging.getLogger("mmformer")
@@ -45,6 +46,7 @@ def train(recipe, extra_callbacks=()):
     import lightning as L
 
     from .build import build_datamodule, build_module, build_trainer
+    from .training.callbacks import LastValidationStep
     from .training.loggers import finish_loggers
     from .training.runs import RESUME_ENV, RUN_ID_ENV, open_run
 
@@ -54,11 +56,13 @@ def train(recipe, extra_callbacks=()):
     try:
         datamodule = build_datamodule(recipe)
         module = build_module(recipe)
-        tracker = _LastValidation()
+        tracker = LastValidationStep()
         trainer = build_trainer(recipe, run, module, extra_callbacks=[tracker, *extra_callbacks])
         if run.resume_from is not None:
             _say(f"resuming from {run.resume_from}")
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(run.resume_from) if run.resume_from else None)
+        trainer.fit(
+            module, datamodule=datamodule, ckpt_path=str(run.resume_from) if run.resume_from else None
+        )
         if tracker.step != trainer.global_step:  # the run did not end on a validation: run one now
             trainer.validate(module, datamodule=datamodule, verbose=False)
     finally:
@@ -67,22 +71,6 @@ def train(recipe, extra_callbacks=()):
         os.environ.pop(RUN_ID_ENV, None)
         os.environ.pop(RESUME_ENV, None)
     return trainer, run
-
-
-class _LastValidation:
-    """Remembers the global step of the last real (non-sanity) validation."""
-
-    def __new__(cls):
-        import lightning as L
-
-        class Tracker(L.Callback):
-            step = -1
-
-            def on_validation_end(self, trainer, pl_module):
-                if not trainer.sanity_checking:
-                    self.step = trainer.global_step
-
-        return Tracker()
 
 
 def _report(trainer, run) -> None:
@@ -112,9 +100,17 @@ def cmd_validate(args) -> int:
     module = build_module(recipe)
     module.load_state_dict(ckpt["state_dict"])
     t = recipe.trainer
-    trainer = L.Trainer(accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
-                        logger=False, enable_checkpointing=False, use_distributed_sampler=False,
-                        limit_val_batches=t.limit_val_batches, enable_progress_bar=t.enable_progress_bar)
+    trainer = L.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        strategy=t.strategy,
+        precision=t.precision,
+        logger=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        limit_val_batches=t.limit_val_batches,
+        enable_progress_bar=t.enable_progress_bar,
+    )
     trainer.validate(module, datamodule=build_datamodule(recipe), verbose=False)
     if trainer.is_global_zero:
         for key, value in sorted(trainer.callback_metrics.items()):
@@ -139,8 +135,10 @@ def cmd_info(args) -> int:
         tok = model.tokenizers[task.tokenizer]
         if hasattr(tok, "example_input"):
             flops = count_flops(model, tok.example_input(1), task.tokenizer, task.head)
-            print(f"FLOPs per sample ({name}): forward {flops['forward'] / 1e6:,.1f} M, "
-                  f"train step (fwd+bwd) {flops['train'] / 1e6:,.1f} M")
+            print(
+                f"FLOPs per sample ({name}): forward {flops['forward'] / 1e6:,.1f} M, "
+                f"train step (fwd+bwd) {flops['train'] / 1e6:,.1f} M"
+            )
     return 0
 
 
@@ -187,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     from .config import RecipeError
     from .data.roots import DataNotFoundError
 
+    # Known-harmless deprecation noise from Lightning's use of torch.utils._pytree on torch 2.14.
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)

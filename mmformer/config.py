@@ -289,7 +289,7 @@ def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
     cfg = _guard("", lambda: OmegaConf.merge(OmegaConf.structured(RecipeConfig), raw), RecipeConfig)
     for item in overrides:
         key, value = _parse_override(item)
-        _guard("", lambda: OmegaConf.update(cfg, key, value, merge=True), RecipeConfig, key)
+        _guard("", lambda k=key, v=value: OmegaConf.update(cfg, k, v, merge=True), RecipeConfig, key)
     _guard("", lambda: OmegaConf.resolve(cfg), RecipeConfig)
     for f in fields(RecipeConfig):  # validate section by section, so errors name their section
         if is_dataclass(f.type) or f.name in ("optim", "trainer", "logger", "checkpoint"):
@@ -298,7 +298,9 @@ def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
 
     model = recipe.model
     model.backbone = _component("backbone", model.backbone, "model.backbone", default_kind="transformer")
-    model.tokenizers = {k: _component("tokenizer", v, f"model.tokenizers.{k}") for k, v in model.tokenizers.items()}
+    model.tokenizers = {
+        k: _component("tokenizer", v, f"model.tokenizers.{k}") for k, v in model.tokenizers.items()
+    }
     model.heads = {k: _component("head", v, f"model.heads.{k}") for k, v in model.heads.items()}
     tasks = {}
     for name, node in recipe.tasks.items():

@@ -13,21 +13,24 @@ QUICKSTART = Path(__file__).parents[1] / "recipes/image/vit_tiny_classify_mnist5
 
 def test_quickstart_resolves_with_types():
     r = load_recipe(QUICKSTART)
-    assert r.optim.lr == 1e-3 and isinstance(r.optim.lr, float)
+    assert r.optim.lr == 2e-3 and isinstance(r.optim.lr, float)
     assert r.model.backbone.d_model == 128 and r.model.backbone.head_dim == 32
     assert r.model.tokenizers["image"].num_patches == 16
     assert r.tasks["mnist"].data.root == "mnist5k"
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("optim.lrr=1e-3", "Did you mean 'optim.lr'?"),
-    ("trainer.max_epoch=3", "Did you mean 'trainer.max_epochs'?"),
-    ("model.tokenizers.image.patch_sise=4", "Did you mean 'model.tokenizers.image.patch_size'?"),
-    ("tasks.mnist.data.batchsize=8", "Did you mean 'tasks.mnist.data.batch_size'?"),
-    ("model.heads.digits.kind=clasifier", "Did you mean 'classifier'?"),
-    ("tasks.mnist.head=digit", "Did you mean 'digits'?"),
-    ("nme=x", "Did you mean 'name'?"),
-])
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optim.lrr=1e-3", "Did you mean 'optim.lr'?"),
+        ("trainer.max_epoch=3", "Did you mean 'trainer.max_epochs'?"),
+        ("model.tokenizers.image.patch_sise=4", "Did you mean 'model.tokenizers.image.patch_size'?"),
+        ("tasks.mnist.data.batchsize=8", "Did you mean 'tasks.mnist.data.batch_size'?"),
+        ("model.heads.digits.kind=clasifier", "Did you mean 'classifier'?"),
+        ("tasks.mnist.head=digit", "Did you mean 'digits'?"),
+        ("nme=x", "Did you mean 'name'?"),
+    ],
+)
 def test_typos_name_the_key_and_suggest(override, expected):
     with pytest.raises(RecipeError) as e:
         load_recipe(QUICKSTART, [override])
@@ -49,8 +52,17 @@ def test_wrong_type_names_key_and_expected_type():
 
 
 def test_override_values_are_typed():
-    r = load_recipe(QUICKSTART, ["optim.lr=3e-4", "trainer.max_time=null", "model.backbone.qkv_bias=false",
-                                 "optim.betas.1=0.95", "trainer.devices=[0,1]", "seed=7"])
+    r = load_recipe(
+        QUICKSTART,
+        [
+            "optim.lr=3e-4",
+            "trainer.max_time=null",
+            "model.backbone.qkv_bias=false",
+            "optim.betas.1=0.95",
+            "trainer.devices=[0,1]",
+            "seed=7",
+        ],
+    )
     assert r.optim.lr == 3e-4 and isinstance(r.optim.lr, float)
     assert r.trainer.max_time is None
     assert r.model.backbone.qkv_bias is False
@@ -69,7 +81,9 @@ def test_derived_values_are_checked():
 
 
 def test_preset_fills_unset_sizes_only(tmp_path):
-    text = QUICKSTART.read_text().replace("{d_model: 128, n_layers: 4, n_heads: 4}", "{preset: small, n_layers: 2}")
+    text = QUICKSTART.read_text().replace(
+        "{d_model: 128, n_layers: 4, n_heads: 4,", "{preset: small, n_layers: 2,"
+    )
     (tmp_path / "r.yaml").write_text(text)
     r = load_recipe(tmp_path / "r.yaml")
     b = r.model.backbone
@@ -107,7 +121,9 @@ def test_user_registered_component_is_validated(tmp_path):
         raise NotImplementedError
 
     assert lookup("head", "wide_head_test").config is WideHeadConfig
-    text = QUICKSTART.read_text().replace("{kind: classifier, num_classes: 10, pool: cls}", "{kind: wide_head_test}")
+    text = QUICKSTART.read_text().replace(
+        "{kind: classifier, num_classes: 10, pool: mean, fc_norm: true}", "{kind: wide_head_test}"
+    )
     (tmp_path / "r.yaml").write_text(text)
     r = load_recipe(tmp_path / "r.yaml", ["model.heads.digits.width=16"])
     assert r.model.heads["digits"].width == 16

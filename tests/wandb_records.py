@@ -21,11 +21,11 @@ def read_records(path: Path) -> list:
         if left < HEADER:  # block trailer padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         if kind == 0 and length == 0:
             pos += left
             continue
-        payload = data[pos + HEADER:pos + HEADER + length]
+        payload = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         pending = payload if kind in (1, 2) else pending + payload
         if kind in (1, 4):
@@ -41,7 +41,12 @@ def history_and_config(path: Path) -> tuple[list[dict], dict]:
     for r in read_records(path):
         kind = r.WhichOneof("record_type")
         if kind == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item})
+            rows.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in r.history.item
+                }
+            )
         elif kind == "config":
             for item in r.config.update:
                 config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)

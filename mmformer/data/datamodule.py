@@ -31,9 +31,9 @@ class TaskData:
 
 class MultiTaskDataModule(L.LightningDataModule):
     """Args:
-        factories: task name → zero-argument function building that task's ``TaskData`` (called in
-            ``setup``, in every process).
-        seed: shuffling seed shared by all ranks.
+    factories: task name → zero-argument function building that task's ``TaskData`` (called in
+        ``setup``, in every process).
+    seed: shuffling seed shared by all ranks.
     """
 
     def __init__(self, factories: dict[str, Callable[[], TaskData]], seed: int = 0):
@@ -46,14 +46,15 @@ class MultiTaskDataModule(L.LightningDataModule):
             self.data = {name: make() for name, make in self.factories.items()}
 
     def _world(self) -> tuple[int, int]:
-        trainer = self._trainer if hasattr(self, "_trainer") else None
+        trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
     def _loader(self, d: TaskData, dataset: Dataset, train: bool) -> DataLoader:
         world, rank = self._world()
         if train:
-            sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
-                                         seed=self.seed, drop_last=d.drop_last)
+            sampler = DistributedSampler(
+                dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.seed, drop_last=d.drop_last
+            )
         else:
             sampler = EvalShardSampler(len(dataset), world, rank)
         return DataLoader(
@@ -68,7 +69,9 @@ class MultiTaskDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> CombinedLoader:
         self.setup()
-        return CombinedLoader({n: self._loader(d, d.train, True) for n, d in self.data.items()}, "max_size_cycle")
+        return CombinedLoader(
+            {n: self._loader(d, d.train, True) for n, d in self.data.items()}, "max_size_cycle"
+        )
 
     def val_dataloader(self) -> CombinedLoader:
         self.setup()

@@ -37,8 +37,10 @@ def image_folder_data(cfg, tok, num_classes: int | None = None) -> TaskData:
     root = resolve_root(cfg.root)
     classes = find_classes(root / cfg.train_split)
     if num_classes is not None and len(classes) != num_classes:
-        raise ValueError(f"{root / cfg.train_split} has {len(classes)} class folders but the head has "
-                         f"num_classes={num_classes}")
+        raise ValueError(
+            f"{root / cfg.train_split} has {len(classes)} class folders but the head has "
+            f"num_classes={num_classes}"
+        )
     train_tf, val_tf = _preprocess(cfg, tok)
     return TaskData(
         train=ImageFolder(root / cfg.train_split, classes, train_tf),
@@ -60,10 +62,14 @@ def cifar10_data(cfg, tok, num_classes: int | None = None) -> TaskData:
 
     from .roots import DataNotFoundError, data_root
 
-    root = Path(cfg.root) if Path(cfg.root).is_absolute() or Path(cfg.root).exists() else data_root() / cfg.root
+    root = (
+        Path(cfg.root) if Path(cfg.root).is_absolute() or Path(cfg.root).exists() else data_root() / cfg.root
+    )
     if not cfg.download and not (root / "cifar-10-batches-py").is_dir():
-        raise DataNotFoundError(f"CIFAR-10 not found at {root / 'cifar-10-batches-py'}; set data.download=true "
-                                "to fetch it (needs internet) or point data.root at an extracted copy")
+        raise DataNotFoundError(
+            f"CIFAR-10 not found at {root / 'cifar-10-batches-py'}; set data.download=true "
+            "to fetch it (needs internet) or point data.root at an extracted copy"
+        )
     if num_classes is not None and num_classes != 10:
         raise ValueError(f"CIFAR-10 has 10 classes but the head has num_classes={num_classes}")
     train_tf, val_tf = _preprocess(cfg, tok)

@@ -48,9 +48,13 @@ class ImageFolder(Dataset):
         self.samples: list[tuple[str, int]] = []
         for name in find_classes(self.split_dir):
             if name not in index:
-                raise ValueError(f"{self.split_dir / name}: class {name!r} is not among the training "
-                                 f"classes {self.classes}")
-            files = sorted(p for p in (self.split_dir / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+                raise ValueError(
+                    f"{self.split_dir / name}: class {name!r} is not among the training "
+                    f"classes {self.classes}"
+                )
+            files = sorted(
+                p for p in (self.split_dir / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
+            )
             self.samples += [(str(p), index[name]) for p in files]
         if not self.samples:
             raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.split_dir}")
@@ -76,8 +80,10 @@ class ImageFolder(Dataset):
                 bad.append(path)
                 continue
             return {"image": image, "label": self.samples[j][1], "bad_samples": bad}
-        raise RuntimeError(f"{MAX_CONSECUTIVE_BAD} consecutive unreadable images from {self.samples[i][0]} on; "
-                           f"is {self.split_dir} an image folder?")
+        raise RuntimeError(
+            f"{MAX_CONSECUTIVE_BAD} consecutive unreadable images from {self.samples[i][0]} on; "
+            f"is {self.split_dir} an image folder?"
+        )
 
 
 class TorchvisionClassification(Dataset):

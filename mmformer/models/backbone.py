@@ -56,8 +56,19 @@ class Backbone(nn.Module):
         self.mlp_ratio, self.causal = mlp_ratio, causal
         dpr = [drop_path * i / max(n_layers - 1, 1) for i in range(n_layers)]  # stochastic depth decay
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, mlp_ratio, n_kv_heads, qkv_bias, "gelu", drop, attn_drop, p, norm_eps,
-                  attn_kernel)
+            Block(
+                d_model,
+                n_heads,
+                mlp_ratio,
+                n_kv_heads,
+                qkv_bias,
+                "gelu",
+                drop,
+                attn_drop,
+                p,
+                norm_eps,
+                attn_kernel,
+            )
             for p in dpr
         )
         self.norm = nn.LayerNorm(d_model, eps=norm_eps) if final_norm else nn.Identity()

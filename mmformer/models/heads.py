@@ -28,8 +28,16 @@ class ClassifierHead(nn.Module):
     when the tokenizer has no prefix token.
     """
 
-    def __init__(self, d_model: int, num_classes: int, pool: str = "cls", num_prefix_tokens: int = 1,
-                 fc_norm: bool = False, drop: float = 0.0, norm_eps: float = 1e-6):
+    def __init__(
+        self,
+        d_model: int,
+        num_classes: int,
+        pool: str = "cls",
+        num_prefix_tokens: int = 1,
+        fc_norm: bool = False,
+        drop: float = 0.0,
+        norm_eps: float = 1e-6,
+    ):
         super().__init__()
         if pool not in ("cls", "mean"):
             raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
@@ -50,8 +58,7 @@ class ClassifierHead(nn.Module):
         if self.pool == "cls":
             x = hidden[:, 0]  # (B, D)
         else:
-            h = hidden[:, self.num_prefix_tokens:]  # (B, N - prefix, D)
-            w = tokens.valid[:, self.num_prefix_tokens:].unsqueeze(-1).to(h.dtype)  # (B, N - prefix, 1)
+            h = hidden[:, self.num_prefix_tokens :]  # (B, N - prefix, D)
+            w = tokens.valid[:, self.num_prefix_tokens :].unsqueeze(-1).to(h.dtype)  # (B, N - prefix, 1)
             x = (h * w).sum(1) / w.sum(1).clamp_min(1.0)  # mean over real tokens only
         return self.head(self.head_drop(self.fc_norm(x)))
-

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 PRESETS: dict[str, dict[str, int]] = {
     "debug": {"d_model": 32, "n_layers": 2, "n_heads": 2},
-    "tiny": {"d_model": 192, "n_layers": 12, "n_heads": 3},    # ViT-Ti / DeiT-Ti
-    "small": {"d_model": 384, "n_layers": 12, "n_heads": 6},   # ViT-S / DeiT-S
-    "base": {"d_model": 768, "n_layers": 12, "n_heads": 12},   # ViT-B, GPT-2 small
+    "tiny": {"d_model": 192, "n_layers": 12, "n_heads": 3},  # ViT-Ti / DeiT-Ti
+    "small": {"d_model": 384, "n_layers": 12, "n_heads": 6},  # ViT-S / DeiT-S
+    "base": {"d_model": 768, "n_layers": 12, "n_heads": 12},  # ViT-B, GPT-2 small
     "large": {"d_model": 1024, "n_layers": 24, "n_heads": 16},  # ViT-L, GPT-2 medium
     "gpt2-large": {"d_model": 1280, "n_layers": 36, "n_heads": 20},
 }

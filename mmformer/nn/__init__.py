@@ -7,6 +7,16 @@ from .mlp import Mlp
 from .tokens import MODALITY_IDS, Tokens, cat_tokens
 
 __all__ = [
-    "KERNELS", "Attention", "eager_attention", "Block", "DropPath", "MaskSpec", "to_additive",
-    "to_ignore", "Mlp", "MODALITY_IDS", "Tokens", "cat_tokens",
+    "KERNELS",
+    "Attention",
+    "eager_attention",
+    "Block",
+    "DropPath",
+    "MaskSpec",
+    "to_additive",
+    "to_ignore",
+    "Mlp",
+    "MODALITY_IDS",
+    "Tokens",
+    "cat_tokens",
 ]

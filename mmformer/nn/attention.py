@@ -14,7 +14,6 @@ Shape legend: B batch, N tokens, D model width, H query heads, Hkv key/value hea
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

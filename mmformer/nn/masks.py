@@ -64,9 +64,7 @@ class MaskSpec:
 
 def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """Bool mask (True = may attend) → additive float mask (0 or the dtype's most negative value)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-        ~mask, torch.finfo(dtype).min
-    )
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def to_ignore(mask: Tensor) -> Tensor:

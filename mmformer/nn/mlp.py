@@ -19,7 +19,9 @@ class Mlp(nn.Module):
 
     ACTS = {"gelu": nn.GELU, "relu": nn.ReLU}
 
-    def __init__(self, d_model: int, hidden_dim: int, act: str = "gelu", bias: bool = True, drop: float = 0.0):
+    def __init__(
+        self, d_model: int, hidden_dim: int, act: str = "gelu", bias: bool = True, drop: float = 0.0
+    ):
         super().__init__()
         if act not in self.ACTS:
             raise ValueError(f"unknown MLP activation {act!r}; choose from {sorted(self.ACTS)}")

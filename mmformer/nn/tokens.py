@@ -39,8 +39,9 @@ class Tokens:
             if t.shape != (B, N):
                 raise ValueError(f"Tokens.{name} must have shape {(B, N)}, got {tuple(t.shape)}")
         if self.positions.dim() != 3 or self.positions.shape[:2] != (B, N):
-            raise ValueError(f"Tokens.positions must have shape (B, N, P)={(B, N)}+(P,), "
-                             f"got {tuple(self.positions.shape)}")
+            raise ValueError(
+                f"Tokens.positions must have shape (B, N, P)={(B, N)}+(P,), got {tuple(self.positions.shape)}"
+            )
         if self.valid.dtype != torch.bool:
             raise TypeError(f"Tokens.valid must be bool, got {self.valid.dtype}")
 

@@ -15,25 +15,33 @@ from ..models.model import MultimodalModel
 
 class ClassificationTask(nn.Module):
     """Args:
-        tokenizer: the ``model.tokenizers`` entry that reads this task's inputs.
-        head: the ``model.heads`` entry that produces logits.
-        num_classes: number of classes ``K``.
-        input_key: the batch key holding the inputs (``image``).
-        label_smoothing: cross-entropy label smoothing (training loss only).
+    tokenizer: the ``model.tokenizers`` entry that reads this task's inputs.
+    head: the ``model.heads`` entry that produces logits.
+    num_classes: number of classes ``K``.
+    input_key: the batch key holding the inputs (``image``).
+    label_smoothing: cross-entropy label smoothing (training loss only).
     """
 
     main_metric = ("acc", "max")  # what the best checkpoint monitors by default
 
-    def __init__(self, tokenizer: str, head: str, num_classes: int, input_key: str = "image",
-                 label_smoothing: float = 0.0):
+    def __init__(
+        self,
+        tokenizer: str,
+        head: str,
+        num_classes: int,
+        input_key: str = "image",
+        label_smoothing: float = 0.0,
+    ):
         super().__init__()
         self.tokenizer, self.head, self.input_key = tokenizer, head, input_key
         self.label_smoothing = label_smoothing
         # Metric states are summed over ranks at compute(): every validation sample counts once.
-        self.val_metrics = nn.ModuleDict({
-            "loss": MeanMetric(),
-            "acc": MulticlassAccuracy(num_classes=num_classes, average="micro"),
-        })
+        self.val_metrics = nn.ModuleDict(
+            {
+                "loss": MeanMetric(),
+                "acc": MulticlassAccuracy(num_classes=num_classes, average="micro"),
+            }
+        )
 
     def batch_size(self, batch: dict) -> int:
         return batch["label"].shape[0]
@@ -42,7 +50,9 @@ class ClassificationTask(nn.Module):
         return model(batch[self.input_key], self.tokenizer, self.head)  # (B, K)
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
-        return F.cross_entropy(self.logits(model, batch), batch["label"], label_smoothing=self.label_smoothing)
+        return F.cross_entropy(
+            self.logits(model, batch), batch["label"], label_smoothing=self.label_smoothing
+        )
 
     def validation_update(self, model: MultimodalModel, batch: dict) -> None:
         logits = self.logits(model, batch)

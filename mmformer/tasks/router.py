@@ -42,15 +42,21 @@ def _set_rng_state(state: dict) -> None:
 
 class MultiTaskModule(L.LightningModule):
     """Args:
-        model: the composed ``MultimodalModel``.
-        tasks: task name → objective module (``training_loss``, ``validation_update``, ``val_metrics``).
-        weights: task name → loss weight.
-        optim: ``OptimConfig``.
-        recipe_yaml: the resolved recipe, stored in every checkpoint.
+    model: the composed ``MultimodalModel``.
+    tasks: task name → objective module (``training_loss``, ``validation_update``, ``val_metrics``).
+    weights: task name → loss weight.
+    optim: ``OptimConfig``.
+    recipe_yaml: the resolved recipe, stored in every checkpoint.
     """
 
-    def __init__(self, model: MultimodalModel, tasks: dict[str, nn.Module], weights: dict[str, float], optim,
-                 recipe_yaml: str = ""):
+    def __init__(
+        self,
+        model: MultimodalModel,
+        tasks: dict[str, nn.Module],
+        weights: dict[str, float],
+        optim,
+        recipe_yaml: str = "",
+    ):
         super().__init__()
         self.model = model
         self.tasks = nn.ModuleDict(tasks)
@@ -77,8 +83,14 @@ class MultiTaskModule(L.LightningModule):
             task = self.tasks[name]
             task.validation_update(self.model, task_batch)
             for metric_name, metric in task.val_metrics.items():
-                self.log(f"val/{name}/{metric_name}", metric, on_step=False, on_epoch=True,
-                         prog_bar=metric_name != "loss", batch_size=task.batch_size(task_batch))
+                self.log(
+                    f"val/{name}/{metric_name}",
+                    metric,
+                    on_step=False,
+                    on_epoch=True,
+                    prog_bar=metric_name != "loss",
+                    batch_size=task.batch_size(task_batch),
+                )
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:

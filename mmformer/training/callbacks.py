@@ -62,7 +62,9 @@ class BadSampleReport(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._collect(batch)
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_validation_batch_end(
+        self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
+    ) -> None:
         self._collect(batch)
 
     @property
@@ -75,3 +77,15 @@ class BadSampleReport(L.Callback):
             first = list(self.paths)[: self.show]
             log.warning("skipped %d unreadable sample(s); first: %s", total, ", ".join(first))
             print(f"data/bad_samples {total}")
+
+
+class LastValidationStep(L.Callback):
+    """Remembers the global step of the last real (not sanity-check) validation, so the CLI can tell
+    whether the final weights were already validated."""
+
+    def __init__(self):
+        self.step = -1
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.step = trainer.global_step

@@ -1,5 +1,6 @@
-"""Atomic checkpoint writes: save to a temporary file in the same folder, fsync, then rename over
-the target. A run killed mid-save leaves the previous ``last.ckpt`` intact, never a truncated one."""
+"""Checkpoint writing: atomic writes (a temporary file in the same folder, fsync, rename over the
+target: a run killed mid-save leaves the previous ``last.ckpt`` intact, never a truncated one),
+``weights_only`` loading, and the always-fresh ``last.ckpt``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 
@@ -29,3 +31,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path, map_location=None, weights_only: bool | None = True) -> dict[str, Any]:
         # Checkpoints hold only tensors and plain containers: never unpickle arbitrary objects.
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """Keeps ``last.ckpt`` = the newest state, written at every validation (or epoch end, or every
+    ``every_n_train_steps``) and when training ends, whatever the monitored metric did.
+
+    Lightning 2.6's ``save_last=True`` rewrites ``last.ckpt`` only on steps where a top-k checkpoint
+    was saved, which would make ``resume=auto`` restart from a stale state.
+    """
+
+    def __init__(self, dirpath: str, every_n_train_steps: int | None = None):
+        super().__init__(
+            dirpath=dirpath,
+            filename="last",
+            monitor=None,
+            save_top_k=1,
+            save_last=False,
+            enable_version_counter=False,
+            every_n_train_steps=every_n_train_steps,
+        )
+
+    @property
+    def state_key(self) -> str:
+        return "LastCheckpoint"
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
+            self._save_checkpoint(trainer, self.format_checkpoint_name({}))

@@ -70,10 +70,19 @@ def build_loggers(cfg, run_dir: Path, run_name: str, wandb_id: str, recipe: dict
     mode = resolve_wandb_mode(cfg.mode)
     if mode != "disabled":
         os.environ.setdefault("WANDB_SILENT", "true")
-        loggers.append(WandbLogger(
-            name=run_name, save_dir=str(run_dir), id=wandb_id, project=cfg.project, entity=cfg.entity,
-            group=cfg.group, tags=list(cfg.tags), mode=mode, resume="allow",
-        ))
+        loggers.append(
+            WandbLogger(
+                name=run_name,
+                save_dir=str(run_dir),
+                id=wandb_id,
+                project=cfg.project,
+                entity=cfg.entity,
+                group=cfg.group,
+                tags=list(cfg.tags),
+                mode=mode,
+                resume="allow",
+            )
+        )
     for lg in loggers:
         lg.log_hyperparams(recipe)
     return loggers

@@ -44,11 +44,14 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """``cfg``: ``OptimConfig``."""
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                             eps=cfg.eps)
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
+    )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     min_ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
 
     def factor(step: int) -> float:

@@ -99,8 +99,9 @@ def read_run_json(run_dir: Path) -> dict:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -121,9 +122,15 @@ class RunFolder(L.Callback):
         info = read_run_json(self.run.dir)
         now = dt.datetime.now().isoformat(timespec="seconds")
         if not info:
-            info = {"run_id": self.run.run_id, "wandb_id": self.run.wandb_id, "recipe": self.run.name,
-                    "git_commit": git_commit(), "start_time": now, "world_size": trainer.world_size,
-                    "resumes": []}
+            info = {
+                "run_id": self.run.run_id,
+                "wandb_id": self.run.wandb_id,
+                "recipe": self.run.name,
+                "git_commit": git_commit(),
+                "start_time": now,
+                "world_size": trainer.world_size,
+                "resumes": [],
+            }
         if self.run.resume_from is not None:
             info.setdefault("resumes", []).append({"time": now, "from": str(self.run.resume_from)})
         tmp = self.run.dir / "run.json.tmp"

@@ -29,8 +29,16 @@ def test_vit_matches_timm(pool):
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
-    ref = VisionTransformer(img_size=32, patch_size=8, in_chans=3, num_classes=5, embed_dim=48, depth=2,
-                            num_heads=3, global_pool=pool).eval()
+    ref = VisionTransformer(
+        img_size=32,
+        patch_size=8,
+        in_chans=3,
+        num_classes=5,
+        embed_dim=48,
+        depth=2,
+        num_heads=3,
+        global_pool=pool,
+    ).eval()
     for p in ref.parameters():  # timm zero-inits nothing we would miss: randomise everything
         torch.nn.init.normal_(p, std=0.05)
     avg = pool == "avg"

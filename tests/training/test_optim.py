@@ -1,0 +1,61 @@
+"""Optimizer groups and the LR schedule, exact values."""
+
+import math
+
+import pytest
+import torch
+
+from mmformer.models import Backbone, ClassifierHead, MultimodalModel
+from mmformer.tokenizers import ViTPatchTokenizer
+from mmformer.training.optim import build_scheduler, lr_factor, param_groups
+
+
+def test_no_decay_on_norms_biases_pos_embed_and_cls_token():
+    model = MultimodalModel(
+        {"image": ViTPatchTokenizer(32, 28, 7, 1)}, Backbone(32, 2, 2), {"h": ClassifierHead(32, 3)}
+    )
+    decay, no_decay = param_groups(model, 0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    assert {
+        "tokenizers.image.pos_embed",
+        "tokenizers.image.cls_token",
+        "backbone.norm.weight",
+        "backbone.blocks.0.norm1.weight",
+        "backbone.blocks.0.attn.qkv.bias",
+    } <= no_decay_names
+    assert {
+        "backbone.blocks.0.attn.qkv.weight",
+        "tokenizers.image.patch_embed.proj.weight",
+        "heads.h.head.weight",
+    } <= decay_names
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert len(decay_names) + len(no_decay_names) == len(list(model.parameters()))
+
+
+def test_warmup_then_cosine_exact():
+    assert lr_factor(0, 100, 10, "cosine", 0.0) == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, "cosine", 0.0) == pytest.approx(1.0)
+    assert lr_factor(10, 100, 10, "cosine", 0.0) == pytest.approx(1.0)
+    assert lr_factor(55, 100, 10, "cosine", 0.0) == pytest.approx(0.5)
+    assert lr_factor(100, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(40, 100, 10, "cosine", 0.0) == pytest.approx(0.5 * (1 + math.cos(math.pi * 30 / 90)))
+    assert lr_factor(55, 100, 10, "linear", 0.0) == pytest.approx(0.5)
+    assert lr_factor(99, 100, 0, "constant", 0.0) == 1.0
+
+
+def test_scheduler_drives_optimizer_lr():
+    from mmformer.config import OptimConfig
+
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    cfg = OptimConfig(lr=1e-2, warmup_steps=4, min_lr=1e-3)
+    opt = torch.optim.AdamW([p], lr=cfg.lr)
+    sched = build_scheduler(opt, cfg, total_steps=20)
+    lrs = []
+    for _ in range(20):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(2.5e-3) and lrs[3] == pytest.approx(1e-2)
+    assert lrs[-1] > 1e-3 and opt.param_groups[0]["lr"] == pytest.approx(1e-3)
