@@ -181,17 +181,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _setup_logging() -> None:
+    """mmformer's own messages (data preparation, skipped samples) go to stderr, once."""
+    for h in list(log.handlers):
+        if getattr(h, "_mmformer", False):
+            log.removeHandler(h)
+    handler = logging.StreamHandler()  # bound to the current sys.stderr
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler._mmformer = True
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     from .config import RecipeError
     from .data.roots import DataNotFoundError
 
     # Known-harmless deprecation noise from Lightning's use of torch.utils._pytree on torch 2.14.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    _setup_logging()
     args = _parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -137,6 +137,7 @@ class ImageFolderDataConfig:
     batch_size: int = 64
     val_batch_size: Optional[int] = None  # default: batch_size
     num_workers: int = 2
+    cache: bool = False  # keep decoded images in memory (small datasets)
     crop_padding: int = 0  # training augmentation: RandomCrop(image_size, padding)
     hflip: bool = False  # training augmentation: horizontal flips
     drop_last: bool = True

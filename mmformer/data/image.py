@@ -22,8 +22,8 @@ def _augment(cfg, image_size: int) -> list:
 
 
 def _preprocess(cfg, tok) -> tuple[ImagePreprocess, ImagePreprocess]:
-    train = ImagePreprocess(tok.image_size, tok.in_chans, tok.mean, tok.std, _augment(cfg, tok.image_size))
-    val = ImagePreprocess(tok.image_size, tok.in_chans, tok.mean, tok.std)
+    train = ImagePreprocess(tok.image_size, tok.in_chans, _augment(cfg, tok.image_size))
+    val = ImagePreprocess(tok.image_size, tok.in_chans)
     return train, val
 
 
@@ -43,8 +43,8 @@ def image_folder_data(cfg, tok, num_classes: int | None = None) -> TaskData:
         )
     train_tf, val_tf = _preprocess(cfg, tok)
     return TaskData(
-        train=ImageFolder(root / cfg.train_split, classes, train_tf),
-        val=ImageFolder(root / cfg.val_split, classes, val_tf),
+        train=ImageFolder(root / cfg.train_split, classes, train_tf, cfg.cache),
+        val=ImageFolder(root / cfg.val_split, classes, val_tf, cfg.cache),
         collate=collate_classification,
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,

@@ -1,4 +1,4 @@
-"""Image datasets returning the fixed batch keys ``image`` (C, H, W) float and ``label`` long.
+"""Image datasets returning the fixed batch keys ``image`` (C, H, W) uint8 and ``label`` long.
 
 ``ImageFolder``: ``<root>/<split>/<class name>/<file>``, the class index is the position of the
 sub-folder in sorted order of the training split (torchvision ``ImageFolder`` convention).
@@ -9,7 +9,6 @@ shapes stay fixed and DDP ranks stay in step) and listed in the batch under ``ba
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,15 +34,18 @@ class ImageFolder(Dataset):
     """Args:
         split_dir: ``<root>/<split>``.
         classes: class names in label order (take them from the training split).
-        transform: PIL image → tensor (the image tokenizer's data-side half).
+        transform: the image tokenizer's data-side half (``ImagePreprocess``: ``load`` then ``augment``).
+        cache: keep every decoded (resized, not augmented) image in memory after its first read, per
+            process — for small datasets, where decoding would otherwise dominate the step time.
 
     Raises:
         FileNotFoundError: a missing split folder, or one without images.
         ValueError: a class folder that is not among ``classes``.
     """
 
-    def __init__(self, split_dir: Path, classes: list[str], transform: Callable):
+    def __init__(self, split_dir: Path, classes: list[str], transform, cache: bool = False):
         self.split_dir, self.classes, self.transform = Path(split_dir), list(classes), transform
+        self.cache: dict[int, torch.Tensor] | None = {} if cache else None
         index = {c: i for i, c in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = []
         for name in find_classes(self.split_dir):
@@ -65,8 +67,13 @@ class ImageFolder(Dataset):
     def load(self, i: int) -> torch.Tensor:
         from PIL import Image
 
-        with Image.open(self.samples[i][0]) as im:
-            return self.transform(im)
+        pixels = self.cache.get(i) if self.cache is not None else None
+        if pixels is None:
+            with Image.open(self.samples[i][0]) as im:
+                pixels = self.transform.load(im)
+            if self.cache is not None:
+                self.cache[i] = pixels
+        return self.transform.augment(pixels)
 
     def __getitem__(self, i: int) -> dict:
         bad: list[str] = []
@@ -89,7 +96,7 @@ class ImageFolder(Dataset):
 class TorchvisionClassification(Dataset):
     """Wrap a torchvision classification dataset (``(PIL image, int)`` items) into mmformer batch keys."""
 
-    def __init__(self, dataset, transform: Callable):
+    def __init__(self, dataset, transform):
         self.dataset, self.transform = dataset, transform
         self.classes = list(getattr(dataset, "classes", []))
 

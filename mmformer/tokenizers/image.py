@@ -1,10 +1,12 @@
 """Image tokenizer: ViT patches (Dosovitskiy et al. 2020, arXiv:2010.11929, §3.1).
 
 Two halves (DESIGN.md):
-  * data side — ``ImagePreprocess``: PIL image → normalised float tensor ``(C, H, W)``, per sample,
-    in data-loader workers (torchvision transforms);
+  * data side — ``ImagePreprocess``: PIL image → ``uint8`` tensor ``(C, H, W)`` (resize, augmentation),
+    per sample, in data-loader workers (torchvision transforms);
   * model side — ``ViTPatchTokenizer``: pixels ``(B, C, H, W)`` → ``Tokens`` on the accelerator:
-    conv patch embedding, optional class token, learned absolute position embedding.
+    scaling to [0, 1] and mean/std normalisation of ``uint8`` pixels (as timm's prefetcher does on
+    the device: batches stay 4× smaller and workers do less), conv patch embedding, optional class
+    token, learned absolute position embedding.
 
 Parameter names match timm's ``VisionTransformer`` (``patch_embed.proj``, ``cls_token``,
 ``pos_embed``), so a timm checkpoint maps onto this module by prefix alone.
@@ -50,7 +52,9 @@ class ViTPatchTokenizer(nn.Module):
             as timm's default ``no_embed_class=False``).
         mean, std: per-channel normalisation used by the data-side half (``ImagePreprocess``).
 
-    ``forward(pixels (B, C, H, W) float) → Tokens`` with ``x (B, N, D)``, ``N = class_token + Gh·Gw``,
+    ``forward(pixels (B, C, H, W)) → Tokens``. ``uint8`` pixels (0–255, what ``ImagePreprocess`` and
+    image files give) are scaled to [0, 1] and normalised with ``mean``/``std`` here; floating-point
+    pixels are taken as already normalised. ``x (B, N, D)``, ``N = class_token + Gh·Gw``,
     positions ``(B, N, 2)``: (row, column) of each patch, the class token at (0, 0) — the 2-D axes
     that relative schemes (2-D RoPE) read. Raises ``ValueError`` on a wrong input shape.
     """
@@ -80,6 +84,8 @@ class ViTPatchTokenizer(nn.Module):
         grid = torch.stack([rows.flatten(), cols.flatten()], dim=-1)  # (Gh·Gw, 2)
         prefix = torch.zeros(self.num_prefix_tokens, 2, dtype=torch.long)
         self.register_buffer("grid_positions", torch.cat([prefix, grid]), persistent=False)
+        self.register_buffer("pixel_mean", torch.tensor(self.mean).view(1, -1, 1, 1) * 255, persistent=False)
+        self.register_buffer("pixel_std", torch.tensor(self.std).view(1, -1, 1, 1) * 255, persistent=False)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -105,7 +111,9 @@ class ViTPatchTokenizer(nn.Module):
                 f"ViTPatchTokenizer expects pixels (B, {self.in_chans}, {self.image_size}, "
                 f"{self.image_size}), got {tuple(pixels.shape)}"
             )
-        x = self.patch_embed(pixels)  # (B, Gh·Gw, D)
+        if pixels.dtype == torch.uint8:
+            pixels = (pixels.to(self.pixel_mean.dtype) - self.pixel_mean) / self.pixel_std
+        x = self.patch_embed(pixels.to(self.patch_embed.proj.weight.dtype))  # (B, Gh·Gw, D)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, N, D)
         x = x + self.pos_embed
@@ -114,32 +122,39 @@ class ViTPatchTokenizer(nn.Module):
 
 
 class ImagePreprocess:
-    """Data-side half: a PIL image → ``(C, H, W)`` float32, resized and normalised.
+    """Data-side half: a PIL image → ``(C, H, W)`` ``uint8`` (0–255). Normalisation happens model-side.
+
+    Two steps, so datasets can cache the first: ``load`` (colour mode, resize of the shorter side and
+    centre crop when the image is not already ``image_size`` square, tensor conversion; deterministic)
+    and ``augment`` (the training transforms, applied to the uint8 tensor; random).
 
     Args:
-        image_size: output side in pixels (resize shorter side + centre crop when the input differs).
+        image_size: output side in pixels.
         in_chans: 1 → grayscale ("L"), 3 → RGB.
-        mean, std: per-channel normalisation after scaling to [0, 1].
-        train_transforms: optional extra torchvision transforms applied to the PIL image before
-            tensor conversion (augmentation, training only).
+        train_transforms: optional torchvision v2 transforms for uint8 tensors (augmentation).
+
+    Raises ``ValueError`` for ``in_chans`` other than 1 or 3.
     """
 
-    def __init__(self, image_size: int, in_chans: int, mean, std, train_transforms=None):
+    def __init__(self, image_size: int, in_chans: int, train_transforms=None):
         from torchvision.transforms import v2
 
         if in_chans not in (1, 3):
             raise ValueError(f"in_chans must be 1 or 3, got {in_chans}")
-        if len(mean) != in_chans or len(std) != in_chans:
-            raise ValueError(f"mean/std need {in_chans} values, got {len(mean)}/{len(std)}")
         self.mode = "L" if in_chans == 1 else "RGB"
         self.image_size = image_size
         self.resize = v2.Compose([v2.Resize(image_size), v2.CenterCrop(image_size)])
-        steps = list(train_transforms or [])
-        steps += [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
-        self.transform = v2.Compose(steps)
+        self.to_tensor = v2.PILToTensor()
+        self.train_transforms = v2.Compose(list(train_transforms)) if train_transforms else None
 
-    def __call__(self, image) -> Tensor:
+    def load(self, image) -> Tensor:
         image = image.convert(self.mode)
         if image.size != (self.image_size, self.image_size):
             image = self.resize(image)
-        return self.transform(image)
+        return self.to_tensor(image)  # (C, H, W) uint8
+
+    def augment(self, pixels: Tensor) -> Tensor:
+        return self.train_transforms(pixels) if self.train_transforms is not None else pixels
+
+    def __call__(self, image) -> Tensor:
+        return self.augment(self.load(image))

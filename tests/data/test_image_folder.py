@@ -14,7 +14,7 @@ from tests.conftest import make_image_folder
 
 
 def _pp():
-    return ImagePreprocess(28, 1, [0.5], [0.25])
+    return ImagePreprocess(28, 1)
 
 
 def test_labels_follow_sorted_class_folders(tmp_path):
@@ -23,10 +23,9 @@ def test_labels_follow_sorted_class_folders(tmp_path):
     ds = ImageFolder(root / "train", classes, _pp())
     assert classes == ["bright", "dark"] and len(ds) == 6
     item = ds[0]
-    assert item["image"].shape == (1, 28, 28) and item["image"].dtype == torch.float32
+    assert item["image"].shape == (1, 28, 28) and item["image"].dtype == torch.uint8
     assert item["label"] == 0 and ds[5]["label"] == 1
-    # normalisation: bright ≈ (200/255 - 0.5) / 0.25 ≈ 1.14
-    assert 0.8 < item["image"].mean() < 1.5
+    assert 180 < item["image"].float().mean() < 220  # 'bright' images are drawn around 200
 
 
 def test_corrupt_image_is_reported_skipped_and_listed(tmp_path, caplog):
@@ -79,3 +78,14 @@ def test_mnist5k_prepare_is_real_stratified_and_repeatable(tmp_path, monkeypatch
 
     px = np.array(Image.open(next((out / "train" / "1").glob("*.png"))))
     assert px.shape == (28, 28) and px.max() > 200 and px.min() == 0  # a real digit: ink on black
+
+
+def test_cache_returns_the_same_pixels(tmp_path):
+    root = make_image_folder(tmp_path, n_per_class=3)
+    classes = find_classes(root / "train")
+    plain = ImageFolder(root / "train", classes, _pp())
+    cached = ImageFolder(root / "train", classes, _pp(), cache=True)
+    for i in range(len(plain)):
+        assert torch.equal(plain[i]["image"], cached[i]["image"])
+    (root / "train" / "bright" / "000.png").unlink()  # served from memory from now on
+    assert torch.equal(cached[0]["image"], plain[0]["image"]) and len(cached.cache) == len(plain)
