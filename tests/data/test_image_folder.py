@@ -85,7 +85,9 @@ def test_cache_returns_the_same_pixels(tmp_path):
     classes = find_classes(root / "train")
     plain = ImageFolder(root / "train", classes, _pp())
     cached = ImageFolder(root / "train", classes, _pp(), cache=True)
+    first = plain[0]["image"]
     for i in range(len(plain)):
         assert torch.equal(plain[i]["image"], cached[i]["image"])
     (root / "train" / "bright" / "000.png").unlink()  # served from memory from now on
-    assert torch.equal(cached[0]["image"], plain[0]["image"]) and len(cached.cache) == len(plain)
+    assert torch.equal(cached[0]["image"], first) and cached[0]["bad_samples"] == []
+    assert len(cached.cache) == len(plain)
