@@ -5,6 +5,7 @@ loggers and Trainer. The built-in components are registered here; users register
 
 from __future__ import annotations
 
+import difflib
 import functools
 
 import lightning as L
@@ -17,6 +18,7 @@ from .config import (
     ClassifierHeadConfig,
     ImageFolderDataConfig,
     RecipeConfig,
+    RecipeError,
     ViTPatchConfig,
     recipe_to_dict,
     recipe_to_yaml,
@@ -112,7 +114,7 @@ def build_module(recipe: RecipeConfig, model: MultimodalModel | None = None) -> 
     model = model or build_model(recipe)
     tasks = {n: lookup("task", t.kind).builder(t, recipe) for n, t in recipe.tasks.items()}
     weights = {n: t.weight for n, t in recipe.tasks.items()}
-    return MultiTaskModule(model, tasks, weights, recipe.optim, recipe_to_yaml(recipe))
+    return MultiTaskModule(model, tasks, weights, recipe.optim, recipe_to_yaml(recipe), recipe.seed)
 
 
 def build_datamodule(recipe: RecipeConfig) -> MultiTaskDataModule:
@@ -128,14 +130,27 @@ def build_datamodule(recipe: RecipeConfig) -> MultiTaskDataModule:
 
 
 def default_monitor(recipe: RecipeConfig, module: MultiTaskModule) -> tuple[str, str]:
+    """The metric the best checkpoint tracks and its direction: ``checkpoint.monitor`` (checked against
+    the metrics the tasks log), or the first task's main validation metric.
+
+    Raises ``RecipeError`` (with a did-you-mean) for a monitor no task logs.
+    """
+    known = {"train/loss": "min"}
+    for name, task in module.tasks.items():
+        known[f"train/{name}/loss"] = "min"
+        for metric in getattr(task, "val_metrics", {}):
+            known[f"val/{name}/{metric}"] = "min" if metric.endswith("loss") else "max"
     first = next(iter(recipe.tasks))
     metric, mode = getattr(module.tasks[first], "main_metric", ("loss", "min"))
     monitor = recipe.checkpoint.monitor or f"val/{first}/{metric}"
-    if recipe.checkpoint.mode:
-        mode = recipe.checkpoint.mode
-    elif recipe.checkpoint.monitor and recipe.checkpoint.monitor.endswith("loss"):
-        mode = "min"
-    return monitor, mode
+    if monitor not in known:
+        close = difflib.get_close_matches(monitor, known, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise RecipeError(
+            f"'checkpoint.monitor' is {monitor!r}, which no task logs.{hint} "
+            f"Logged: {', '.join(sorted(known))}"
+        )
+    return monitor, recipe.checkpoint.mode or (mode if monitor == f"val/{first}/{metric}" else known[monitor])
 
 
 def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra_callbacks=()) -> L.Trainer:
@@ -148,8 +163,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         mode=mode,
         save_top_k=ck.save_top_k,
         save_last=False,  # LastCheckpoint keeps last.ckpt fresh
-        auto_insert_metric_name=False,
-        every_n_train_steps=ck.every_n_train_steps,
+        auto_insert_metric_name=False,  # validation only: a step-triggered save would carry a stale score
     )
     last = [LastCheckpoint(str(run.checkpoints), ck.every_n_train_steps)] if ck.save_last else []
     loggers = build_loggers(

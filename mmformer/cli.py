@@ -93,9 +93,13 @@ def cmd_validate(args) -> int:
     import torch
 
     from .build import build_datamodule, build_module
-    from .config import recipe_from_yaml
+    from .config import RecipeError, recipe_from_yaml
 
+    if not args.checkpoint.is_file():
+        raise FileNotFoundError(f"checkpoint {str(args.checkpoint)!r} does not exist")
     ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    if "recipe_yaml" not in ckpt.get("mmformer", {}):
+        raise RecipeError(f"{args.checkpoint} is not an mmformer training checkpoint (it carries no recipe)")
     recipe = recipe_from_yaml(ckpt["mmformer"]["recipe_yaml"], args.overrides)
     module = build_module(recipe)
     module.load_state_dict(ckpt["state_dict"])
@@ -196,7 +200,7 @@ def _setup_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from .config import RecipeError
-    from .data.roots import DataNotFoundError
+    from .data.roots import DataError, DataNotFoundError
 
     # Known-harmless deprecation noise from Lightning's use of torch.utils._pytree on torch 2.14.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (RecipeError, DataNotFoundError, FileNotFoundError, KeyError) as e:
+    except (RecipeError, DataError, DataNotFoundError, FileNotFoundError) as e:
         msg = e.args[0] if e.args else str(e)
         print(f"mmformer: error: {msg}", file=sys.stderr)
         return 2

@@ -59,6 +59,8 @@ class BackboneConfig:
         for k in ("d_model", "n_layers", "n_heads"):
             if getattr(self, k) is None:
                 raise ValueError(f"{k} is required (or set preset: debug|tiny|small|base|large)")
+        _positive(self, "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_ratio")
+        _probability(self, "drop", "attn_drop", "drop_path")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
@@ -84,6 +86,9 @@ class ViTPatchConfig:
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
 
     def __post_init__(self) -> None:
+        _positive(self, "image_size", "patch_size")
+        if self.in_chans not in (1, 3):
+            raise ValueError(f"in_chans must be 1 (grayscale) or 3 (RGB), got {self.in_chans}")
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} is not divisible by patch_size={self.patch_size}")
         if len(self.mean) != self.in_chans or len(self.std) != self.in_chans:
@@ -107,8 +112,8 @@ class ClassifierHeadConfig:
     def __post_init__(self) -> None:
         if self.pool not in ("cls", "mean"):
             raise ValueError(f"pool={self.pool!r}; choose 'cls' or 'mean'")
-        if self.num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+        _positive(self, "num_classes")
+        _probability(self, "drop")
 
 
 @dataclass
@@ -121,6 +126,11 @@ class ClassificationTaskConfig:
     head: str = MISSING  # a model.heads entry
     data: dict[str, Any] = field(default_factory=dict)
     label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        _probability(self, "label_smoothing")
+        if self.weight < 0:
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
 
 
 @dataclass
@@ -142,6 +152,11 @@ class ImageFolderDataConfig:
     hflip: bool = False  # training augmentation: horizontal flips
     drop_last: bool = True
 
+    def __post_init__(self) -> None:
+        _positive(self, "batch_size", "val_batch_size")
+        if self.num_workers < 0 or self.crop_padding < 0:
+            raise ValueError("num_workers and crop_padding must be >= 0")
+
 
 @dataclass
 class CIFAR10DataConfig:
@@ -156,6 +171,20 @@ class CIFAR10DataConfig:
     crop_padding: int = 4
     hflip: bool = True
     drop_last: bool = True
+
+
+def _positive(cfg, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _probability(cfg, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value}")
 
 
 # --------------------------------------------------------------------------- top-level sections
@@ -234,8 +263,13 @@ class CheckpointConfig:
     monitor: Optional[str] = None  # default: the first task's main validation metric
     mode: Optional[str] = None  # min | max; default: the monitored metric's own direction
     save_top_k: int = 1
-    every_n_train_steps: Optional[int] = None
+    every_n_train_steps: Optional[int] = None  # also refresh last.ckpt every N optimizer steps
     save_last: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in (None, "min", "max"):
+            raise ValueError(f"mode={self.mode!r}; choose min or max")
+        _positive(self, "every_n_train_steps")
 
 
 @dataclass
@@ -253,7 +287,7 @@ class RecipeConfig:
 
 # --------------------------------------------------------------------------- loading
 def load_recipe(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeConfig:
-    """Load a recipe file (or YAML text with ``from_string=True`` via ``recipe_from_yaml``).
+    """Load a recipe file (``recipe_from_yaml`` loads YAML text, e.g. from a checkpoint).
 
     Raises:
         RecipeError: unreadable YAML, unknown keys (with a did-you-mean), wrong types, bad values.
@@ -394,6 +428,11 @@ def _schema_at(schema: type, path: list[str]) -> type | None:
 def _check_references(recipe: RecipeConfig) -> None:
     if not recipe.tasks:
         raise RecipeError("the recipe has no 'tasks'; add at least one (e.g. tasks: {mnist: {kind: ...}})")
+    t = recipe.trainer
+    if t.max_steps in (None, -1) and t.max_epochs in (None, -1):
+        raise RecipeError(
+            "set 'trainer.max_epochs' or 'trainer.max_steps': the LR schedule needs the run's length"
+        )
     for name, task in recipe.tasks.items():
         for attr, table in (("tokenizer", recipe.model.tokenizers), ("head", recipe.model.heads)):
             ref = getattr(task, attr, None)
@@ -403,6 +442,22 @@ def _check_references(recipe: RecipeConfig) -> None:
                 raise RecipeError(
                     f"'tasks.{name}.{attr}' refers to {ref!r}, which is not in model.{attr}s "
                     f"({', '.join(table) or 'none defined'}).{hint}"
+                )
+        head = recipe.model.heads.get(getattr(task, "head", None))
+        tok = recipe.model.tokenizers.get(getattr(task, "tokenizer", None))
+        if getattr(head, "pool", None) == "cls" and getattr(tok, "class_token", True) is False:
+            raise RecipeError(
+                f"'model.heads.{task.head}.pool' is 'cls' but tokenizer '{task.tokenizer}' has "
+                "class_token: false; use pool: mean or enable the class token"
+            )
+
+    for attr, table in (("tokenizer", recipe.model.tokenizers), ("head", recipe.model.heads)):
+        used = {getattr(t, attr, None) for t in recipe.tasks.values()}
+        for name in table:
+            if name not in used:  # an unused part would be trained by nobody (and breaks DDP)
+                raise RecipeError(
+                    f"'model.{attr}s.{name}' is not used by any task; remove it or point a "
+                    f"task's '{attr}' at it"
                 )
 
 

@@ -129,3 +129,42 @@ def test_user_registered_component_is_validated(tmp_path):
     assert r.model.heads["digits"].width == 16
     with pytest.raises(RecipeError, match="Did you mean 'model.heads.digits.width'"):
         load_recipe(tmp_path / "r.yaml", ["model.heads.digits.widht=16"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.tokenizers.image.patch_size=0", "'model.tokenizers.image': patch_size must be > 0"),
+        ("model.backbone.n_heads=0", "'model.backbone': n_heads must be > 0"),
+        ("model.tokenizers.image.in_chans=2", "in_chans must be 1 (grayscale) or 3 (RGB)"),
+        ("tasks.mnist.data.batch_size=0", "'tasks.mnist.data': batch_size must be > 0"),
+        ("model.backbone.drop_path=1.5", "drop_path must be in [0, 1)"),
+        ("trainer.max_epochs=null", "set 'trainer.max_epochs' or 'trainer.max_steps'"),
+        ("checkpoint.mode=maximum", "choose min or max"),
+    ],
+)
+def test_bad_values_name_their_section(override, expected):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(QUICKSTART, [override])
+    assert expected in str(e.value)
+
+
+def test_cls_pooling_needs_a_class_token():
+    with pytest.raises(RecipeError, match="pool' is 'cls' but tokenizer 'image' has class_token: false"):
+        load_recipe(QUICKSTART, ["model.tokenizers.image.class_token=false", "model.heads.digits.pool=cls"])
+
+
+def test_unused_head_is_an_error():
+    with pytest.raises(RecipeError, match="'model.heads.spare' is not used by any task"):
+        load_recipe(QUICKSTART, ["model.heads.spare={kind: classifier, num_classes: 3}"])
+
+
+def test_checkpoint_monitor_typo_is_caught_before_training():
+    from mmformer.build import build_module, default_monitor
+
+    r = load_recipe(QUICKSTART, ["checkpoint.monitor=val/mnist/accuracy"])
+    with pytest.raises(RecipeError, match="Did you mean 'val/mnist/acc'"):
+        default_monitor(r, build_module(r))
+    r = load_recipe(QUICKSTART, ["checkpoint.monitor=val/mnist/loss"])
+    assert default_monitor(r, build_module(r)) == ("val/mnist/loss", "min")
+    assert default_monitor(load_recipe(QUICKSTART), build_module(r)) == ("val/mnist/acc", "max")

@@ -3,6 +3,8 @@ are prepared on demand into the test's own data root, as `mmformer train` does f
 
 from __future__ import annotations
 
+import csv
+import math
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,7 @@ def test_recipe_trains_a_few_steps(path, workdir, capsys):
     recipe = load_recipe(path)
     overrides = [
         "trainer.max_steps=3",
+        "trainer.log_every_n_steps=1",
         "trainer.limit_val_batches=2",
         "trainer.num_sanity_val_steps=0",
         "trainer.enable_progress_bar=false",
@@ -47,5 +50,9 @@ def test_recipe_trains_a_few_steps(path, workdir, capsys):
     finals = [ln for ln in out.splitlines() if ln.startswith("val/")]
     assert finals, out[-2000:]
     for line in finals:
-        value = float(line.split()[1])
-        assert value == value  # not NaN
+        assert math.isfinite(float(line.split()[1])), line
+    run = Path(out.split("run folder: ")[1].split()[0])
+    losses = [
+        float(r["train/loss"]) for r in csv.DictReader(open(run / "metrics.csv")) if r.get("train/loss")
+    ]
+    assert len(losses) >= 1 and all(math.isfinite(v) for v in losses)

@@ -123,3 +123,19 @@ def test_corrupt_images_are_counted_at_the_end(tiny_recipe, workdir, capsys):
     assert main(["train", str(tiny_recipe), "trainer.max_epochs=1"]) == 0
     out = capsys.readouterr().out
     assert "data/bad_samples 1" in out
+
+
+def test_validate_refuses_a_foreign_checkpoint(workdir, capsys):
+    torch.save({"state_dict": {}}, workdir / "other.ckpt")
+    assert main(["validate", str(workdir / "other.ckpt")]) == 2
+    assert "not an mmformer training checkpoint" in capsys.readouterr().err
+
+
+def test_prepare_unknown_dataset_suggests(workdir, capsys):
+    assert main(["data", "prepare", "mnist5"]) == 2
+    assert "Did you mean 'mnist5k'?" in capsys.readouterr().err
+
+
+def test_class_count_mismatch_is_named(tiny_recipe, capsys):
+    assert main(["train", str(tiny_recipe), "model.heads.cls.num_classes=3"]) == 2
+    assert "has 2 class folders (bright, dark) but the head has num_classes=3" in capsys.readouterr().err

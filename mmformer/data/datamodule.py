@@ -15,6 +15,7 @@ import lightning as L
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .roots import DataError
 from .samplers import EvalShardSampler
 
 
@@ -56,6 +57,11 @@ class MultiTaskDataModule(L.LightningDataModule):
                 dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.seed, drop_last=d.drop_last
             )
         else:
+            if len(dataset) < world:  # a rank without samples would never join the metric sync
+                raise DataError(
+                    f"the validation set has {len(dataset)} samples, fewer than the {world} "
+                    "processes that share it"
+                )
             sampler = EvalShardSampler(len(dataset), world, rank)
         return DataLoader(
             dataset,

@@ -7,7 +7,7 @@ from ..tokenizers.image import ImagePreprocess
 from .collate import collate_classification
 from .datamodule import TaskData
 from .image_folder import ImageFolder, TorchvisionClassification, find_classes
-from .roots import resolve_root
+from .roots import DataError, resolve_root
 
 
 def _augment(cfg, image_size: int) -> list:
@@ -32,14 +32,15 @@ def image_folder_data(cfg, tok, num_classes: int | None = None) -> TaskData:
 
     Raises:
         DataNotFoundError / FileNotFoundError: a missing root or split.
-        ValueError: the number of class folders differs from the head's ``num_classes``.
+        DataError: the number of class folders differs from the head's ``num_classes``.
     """
     root = resolve_root(cfg.root)
     classes = find_classes(root / cfg.train_split)
     if num_classes is not None and len(classes) != num_classes:
-        raise ValueError(
-            f"{root / cfg.train_split} has {len(classes)} class folders but the head has "
-            f"num_classes={num_classes}"
+        shown = ", ".join(classes[:12]) + (", …" if len(classes) > 12 else "")
+        raise DataError(
+            f"{root / cfg.train_split} has {len(classes)} class folders ({shown}) but the head "
+            f"has num_classes={num_classes}"
         )
     train_tf, val_tf = _preprocess(cfg, tok)
     return TaskData(
@@ -71,7 +72,7 @@ def cifar10_data(cfg, tok, num_classes: int | None = None) -> TaskData:
             "to fetch it (needs internet) or point data.root at an extracted copy"
         )
     if num_classes is not None and num_classes != 10:
-        raise ValueError(f"CIFAR-10 has 10 classes but the head has num_classes={num_classes}")
+        raise DataError(f"CIFAR-10 has 10 classes but the head has num_classes={num_classes}")
     train_tf, val_tf = _preprocess(cfg, tok)
     return TaskData(
         train=TorchvisionClassification(CIFAR10(str(root), train=True, download=cfg.download), train_tf),

@@ -14,10 +14,20 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from .roots import DataError
+
 log = logging.getLogger("mmformer.data")
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 MAX_CONSECUTIVE_BAD = 50
+
+
+def _decode_errors() -> tuple[type[BaseException], ...]:
+    """What PIL raises for missing, truncated or corrupt files: ``OSError`` (``UnidentifiedImageError``
+    is one), ``SyntaxError`` (some broken PNG chunks) and ``DecompressionBombError``."""
+    from PIL import Image
+
+    return (OSError, SyntaxError, Image.DecompressionBombError)
 
 
 def find_classes(split_dir: Path) -> list[str]:
@@ -40,7 +50,7 @@ class ImageFolder(Dataset):
 
     Raises:
         FileNotFoundError: a missing split folder, or one without images.
-        ValueError: a class folder that is not among ``classes``.
+        DataError: a class folder that is not among ``classes``.
     """
 
     def __init__(self, split_dir: Path, classes: list[str], transform, cache: bool = False):
@@ -50,13 +60,12 @@ class ImageFolder(Dataset):
         self.samples: list[tuple[str, int]] = []
         for name in find_classes(self.split_dir):
             if name not in index:
-                raise ValueError(
-                    f"{self.split_dir / name}: class {name!r} is not among the training "
-                    f"classes {self.classes}"
+                raise DataError(
+                    f"{self.split_dir / name}: class {name!r} is not among the training classes "
+                    f"{self.classes}"
                 )
-            files = sorted(
-                p for p in (self.split_dir / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
-            )
+            folder = self.split_dir / name
+            files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
             self.samples += [(str(p), index[name]) for p in files]
         if not self.samples:
             raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {self.split_dir}")
@@ -64,32 +73,40 @@ class ImageFolder(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def load(self, i: int) -> torch.Tensor:
+    def decode(self, i: int):
+        """The PIL image of sample ``i``, fully read; raises one of ``_decode_errors()`` when unreadable."""
         from PIL import Image
 
-        pixels = self.cache.get(i) if self.cache is not None else None
-        if pixels is None:
-            with Image.open(self.samples[i][0]) as im:
-                pixels = self.transform.load(im)
-            if self.cache is not None:
-                self.cache[i] = pixels
-        return self.transform.augment(pixels)
+        with Image.open(self.samples[i][0]) as im:
+            im.load()
+            return im
+
+    def pixels(self, i: int) -> torch.Tensor:
+        """Decoded, resized uint8 pixels of sample ``i`` (from the cache when enabled)."""
+        cached = self.cache.get(i) if self.cache is not None else None
+        if cached is not None:
+            return cached
+        pixels = self.transform.load(self.decode(i))
+        if self.cache is not None:
+            self.cache[i] = pixels
+        return pixels
 
     def __getitem__(self, i: int) -> dict:
+        errors = _decode_errors()
         bad: list[str] = []
         for attempt in range(MAX_CONSECUTIVE_BAD):
             j = (i + attempt) % len(self.samples)
             try:
-                image = self.load(j)
-            except Exception as e:  # PIL raises many types for corrupt files
+                pixels = self.pixels(j)
+            except errors as e:
                 path = self.samples[j][0]
                 log.warning("unreadable image skipped: %s (%s: %s)", path, type(e).__name__, e)
                 bad.append(path)
                 continue
-            return {"image": image, "label": self.samples[j][1], "bad_samples": bad}
-        raise RuntimeError(
-            f"{MAX_CONSECUTIVE_BAD} consecutive unreadable images from {self.samples[i][0]} on; "
-            f"is {self.split_dir} an image folder?"
+            return {"image": self.transform.augment(pixels), "label": self.samples[j][1], "bad_samples": bad}
+        raise DataError(
+            f"{MAX_CONSECUTIVE_BAD} consecutive unreadable images from {self.samples[i][0]} on "
+            "(each is named in a warning above)"
         )
 
 

@@ -2,11 +2,13 @@
 standard on-disk formats under the data root, so training code never special-cases a source.
 
 Writes go to a temporary folder that is renamed into place at the end: an interrupted preparation
-leaves nothing half-written behind, and concurrent preparers (several ranks) do not collide.
+leaves nothing half-written behind, and when several processes prepare at once the first complete
+copy wins and the others discard theirs.
 """
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import importlib.util
 import logging
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .roots import data_root
+from .roots import DataError, data_root
 
 log = logging.getLogger("mmformer.data")
 
@@ -38,10 +40,10 @@ def _package_file(package: str, relative: str, install_hint: str) -> Path:
     """A data file shipped inside an installed package, found without importing the package."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"package {package!r} is not installed; install it with: {install_hint}")
+        raise DataError(f"package {package!r} is not installed; install it with: {install_hint}")
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
-        raise RuntimeError(f"{path} is missing from the installed {package!r} package")
+        raise DataError(f"{path} is missing from the installed {package!r} package")
     return path
 
 
@@ -66,7 +68,7 @@ def build_mnist5k(out: Path) -> None:
     with gzip.open(src, "rt") as f:
         rows = np.loadtxt(f, delimiter=",", dtype=np.uint8)
     if rows.shape != (5000, 785):
-        raise RuntimeError(f"{src}: expected 5000 rows of 784 pixels + label, got {rows.shape}")
+        raise DataError(f"{src}: expected 5000 rows of 784 pixels + label, got {rows.shape}")
     pixels, labels = rows[:, :784].reshape(-1, 28, 28), rows[:, 784]
     is_val = split_stratified(labels, n_val_per_class=50, seed=0)
     for i in tqdm(range(len(rows)), desc="mnist5k: writing PNGs", unit="img"):
@@ -90,11 +92,13 @@ def prepare(name: str, force: bool = False) -> Path:
     """Prepare bundled dataset ``name`` under the data root; returns its folder.
 
     Raises:
-        KeyError: unknown name (with the known names).
-        RuntimeError: the source package is missing (with its install command).
+        DataError: unknown name (with a did-you-mean), or the source package is missing (with its
+            install command).
     """
     if name not in BUNDLED:
-        raise KeyError(f"unknown bundled dataset {name!r}; known: {', '.join(BUNDLED)}")
+        close = difflib.get_close_matches(name, BUNDLED, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise DataError(f"unknown bundled dataset {name!r}.{hint} Known: {', '.join(BUNDLED)}")
     entry = BUNDLED[name]
     out = data_root() / name
     if entry.is_prepared(out) and not force:
@@ -108,8 +112,12 @@ def prepare(name: str, force: bool = False) -> Path:
         if out.exists():
             if entry.is_prepared(out) and not force:  # another process finished first
                 return out
-            shutil.rmtree(out)
-        tmp.rename(out)
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process renamed its copy into place between our check and rename
+            if not entry.is_prepared(out):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

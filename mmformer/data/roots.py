@@ -15,6 +15,10 @@ class DataNotFoundError(FileNotFoundError):
     """A dataset path that does not exist; the message says how to make it."""
 
 
+class DataError(ValueError):
+    """Data that does not fit the recipe (class folders vs ``num_classes``, too few samples)."""
+
+
 def data_root() -> Path:
     return Path(os.environ.get("MMFORMER_DATA", "data"))
 

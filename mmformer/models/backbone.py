@@ -1,7 +1,9 @@
 """The shared transformer backbone: a stack of blocks and the final norm.
 
-It owns the blocks, relative positions applied inside attention, and the final norm (DESIGN.md);
-tokenizers own embeddings, heads own pooling and output projections.
+It owns the blocks and the final norm, and (when a model uses one) the relative position scheme
+applied inside attention; the pre-norm ViT / GPT-2 trunk here uses the absolute position embeddings
+its tokenizers add, so ``Tokens.positions`` is not read. Tokenizers own embeddings, heads own pooling
+and output projections (DESIGN.md).
 Shape legend: B batch, N tokens, D model width.
 """
 

@@ -4,7 +4,8 @@ Kernels:
   * ``eager`` — the readable reference: ``softmax(q kᵀ / √d + mask) v`` written out. Every fused
     kernel is tested against it, and it is the path on which FLOPs can be counted on CPU.
   * ``sdpa`` — ``F.scaled_dot_product_attention`` (FlashAttention / memory-efficient / cuDNN on GPU).
-  * ``auto`` — the fastest kernel that is correct for the mask and device (currently ``sdpa``).
+  * ``auto`` — the fastest correct kernel; for the masks built here (padding, causal, documents) that
+    is ``sdpa`` on every device, with and without gradients.
 
 Parameter names follow timm's ``Attention`` (``qkv``, ``proj``) so ViT checkpoints map by prefix.
 Reference: Vaswani et al. 2017 (arXiv:1706.03762) §3.2; GQA: Ainslie et al. 2023 (arXiv:2305.13245).
@@ -66,14 +67,22 @@ class Attention(nn.Module):
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
-        if kernel not in KERNELS:
-            raise ValueError(f"unknown attention kernel {kernel!r}; choose from {KERNELS}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
         self.kernel = kernel
         self.attn_drop = attn_drop
         self.qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_heads * self.head_dim, d_model)
         self.proj_drop = nn.Dropout(proj_drop)
+
+    @property
+    def kernel(self) -> str:
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, kernel: str) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}; choose from {KERNELS}")
+        self._kernel = kernel
 
     def forward(self, x: Tensor, mask: MaskSpec | None = None) -> Tensor:
         """``x (B, N, D)`` → ``(B, N, D)``; ``mask`` describes who may attend to whom."""

@@ -1,7 +1,8 @@
 """Transformer blocks. ``Block`` is the pre-norm block of GPT-2 / ViT (timm ``Block`` names:
 ``norm1``, ``attn``, ``norm2``, ``mlp``); its forward is two residual lines.
 
-Stochastic depth: Huang et al. 2016 (arXiv:1603.09382), via timm's ``DropPath``.
+Stochastic depth: Huang et al. 2016 (arXiv:1603.09382), as timm's ``DropPath`` (re-implemented here
+in a few lines because the model library must not import timm at module level).
 Shape legend: B batch, N tokens, D model width.
 """
 

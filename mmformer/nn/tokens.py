@@ -60,14 +60,17 @@ class Tokens:
             x: ``(B, N, D)`` embeddings.
             modality: the tokenizer's modality id.
             valid: optional ``(B, N)`` bool; default all ``True``.
-            positions: optional ``(B, N, P)`` long; default ``0..N-1`` repeated on ``n_pos_axes`` axes.
+            positions: optional ``(B, N, P)`` long; default: each row counts ``0, 1, …`` from its first
+                real token (so left padding does not shift positions; padding before it gets 0),
+                repeated on ``n_pos_axes`` axes.
         """
         B, N = x.shape[:2]
         dev = x.device
         if valid is None:
             valid = torch.ones(B, N, dtype=torch.bool, device=dev)
         if positions is None:
-            positions = torch.arange(N, device=dev).view(1, N, 1).expand(B, N, n_pos_axes)
+            pos = (valid.long().cumsum(dim=1) - 1).clamp_min(0)  # (B, N)
+            positions = pos.unsqueeze(-1).expand(B, N, n_pos_axes)
         document = torch.zeros(B, N, dtype=torch.long, device=dev)
         modality_t = torch.full((B, N), modality, dtype=torch.long, device=dev)
         return cls(x=x, valid=valid, positions=positions, document=document, modality=modality_t)

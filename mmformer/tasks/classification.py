@@ -51,7 +51,7 @@ class ClassificationTask(nn.Module):
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
         return F.cross_entropy(
-            self.logits(model, batch), batch["label"], label_smoothing=self.label_smoothing
+            self.logits(model, batch).float(), batch["label"], label_smoothing=self.label_smoothing
         )
 
     def validation_update(self, model: MultimodalModel, batch: dict) -> None:

@@ -31,6 +31,13 @@ def _rng_state() -> dict:
     }
 
 
+def _seed_all(seed: int) -> None:
+    seed %= 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
@@ -47,6 +54,8 @@ class MultiTaskModule(L.LightningModule):
     weights: task name → loss weight.
     optim: ``OptimConfig``.
     recipe_yaml: the resolved recipe, stored in every checkpoint.
+    seed: the recipe's seed; each rank's random stream (dropout, augmentation in the main
+        process) is seeded from it and the rank, so ranks do not draw identical masks and crops.
     """
 
     def __init__(
@@ -56,11 +65,16 @@ class MultiTaskModule(L.LightningModule):
         weights: dict[str, float],
         optim,
         recipe_yaml: str = "",
+        seed: int = 0,
     ):
         super().__init__()
         self.model = model
         self.tasks = nn.ModuleDict(tasks)
-        self.weights, self.optim_cfg, self.recipe_yaml = dict(weights), optim, recipe_yaml
+        self.weights, self.optim_cfg, self.recipe_yaml, self.seed = dict(weights), optim, recipe_yaml, seed
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":  # after the model's (identical) initialisation, before any checkpoint restore
+            _seed_all(self.seed + 1_000_003 * self.global_rank)
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict[str, dict], batch_idx: int) -> torch.Tensor:
@@ -99,7 +113,10 @@ class MultiTaskModule(L.LightningModule):
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
         optimizer = build_optimizer(self.model, self.optim_cfg)
-        scheduler = build_scheduler(optimizer, self.optim_cfg, int(self.trainer.estimated_stepping_batches))
+        total = self.trainer.estimated_stepping_batches
+        if total == float("inf"):
+            raise ValueError("the run has no finite length: set trainer.max_epochs or trainer.max_steps")
+        scheduler = build_scheduler(optimizer, self.optim_cfg, int(total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------ checkpoints
@@ -109,4 +126,6 @@ class MultiTaskModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("mmformer", {})
         if "rng" in state:
-            _set_rng_state(state["rng"])
+            _set_rng_state(state["rng"])  # rank 0's streams, which the checkpoint holds
+        if self.global_rank > 0:  # other ranks: a distinct stream, reproducible from seed, rank and step
+            _seed_all(self.seed + 1_000_003 * self.global_rank + checkpoint.get("global_step", 0))

@@ -50,7 +50,7 @@ class ViTPatchTokenizer(nn.Module):
         in_chans: input channels ``C`` (1 grayscale, 3 RGB).
         class_token: prepend a learned ``cls_token`` (its position embedding is ``pos_embed[:, 0]``,
             as timm's default ``no_embed_class=False``).
-        mean, std: per-channel normalisation used by the data-side half (``ImagePreprocess``).
+        mean, std: per-channel normalisation applied here to ``uint8`` pixels (after scaling to [0, 1]).
 
     ``forward(pixels (B, C, H, W)) → Tokens``. ``uint8`` pixels (0–255, what ``ImagePreprocess`` and
     image files give) are scaled to [0, 1] and normalised with ``mean``/``std`` here; floating-point

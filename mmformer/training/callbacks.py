@@ -47,7 +47,7 @@ class ThroughputLogger(L.Callback):
 
 class BadSampleReport(L.Callback):
     """Collects the paths of unreadable samples that datasets skipped (batch key ``bad_samples``) and
-    prints their count (summed over ranks) and the first few paths at the end of the run."""
+    prints the number of distinct files (over all ranks and epochs) and the first few paths at the end."""
 
     def __init__(self, show: int = 10):
         self.show = show
@@ -72,11 +72,16 @@ class BadSampleReport(L.Callback):
         return len(self.paths)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        total = int(trainer.strategy.reduce(torch.tensor(float(self.count)), reduce_op="sum"))
-        if trainer.is_global_zero and total:
-            first = list(self.paths)[: self.show]
-            log.warning("skipped %d unreadable sample(s); first: %s", total, ", ".join(first))
-            print(f"data/bad_samples {total}")
+        paths = list(self.paths)
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered: list = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, paths)  # every rank takes part: no hang
+            paths = list(dict.fromkeys(p for rank_paths in gathered for p in rank_paths))
+        if trainer.is_global_zero and paths:
+            log.warning(
+                "skipped %d unreadable sample(s); first: %s", len(paths), ", ".join(paths[: self.show])
+            )
+            print(f"data/bad_samples {len(paths)}")
 
 
 class LastValidationStep(L.Callback):

@@ -34,8 +34,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class LastCheckpoint(ModelCheckpoint):
-    """Keeps ``last.ckpt`` = the newest state, written at every validation (or epoch end, or every
-    ``every_n_train_steps``) and when training ends, whatever the monitored metric did.
+    """Keeps ``last.ckpt`` = the newest state whatever the monitored metric did: written after every
+    validation (with ``every_n_train_steps``: every N optimizer steps instead) and when training ends.
 
     Lightning 2.6's ``save_last=True`` rewrites ``last.ckpt`` only on steps where a top-k checkpoint
     was saved, which would make ``resume=auto`` restart from a stale state.

@@ -39,9 +39,10 @@ def runs_root() -> Path:
 
 
 def _new_run_id() -> str:
-    for var, prefix in (("SLURM_JOB_ID", "slurm"), ("TORCHELASTIC_RUN_ID", "torchrun")):
-        if os.environ.get(var) and os.environ[var] != "none":
-            return f"{prefix}-{os.environ[var]}"
+    if os.environ.get("SLURM_JOB_ID"):  # one id per job step, the same on every node of the step
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":  # torchrun's rendezvous id
+        return f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
     return dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
@@ -115,7 +116,7 @@ class RunFolder(L.Callback):
         self.run, self.recipe_yaml = run, recipe_yaml
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if not trainer.is_global_zero:
+        if stage != "fit" or not trainer.is_global_zero:  # not again for the closing validation
             return
         self.run.dir.mkdir(parents=True, exist_ok=True)
         (self.run.dir / "recipe.yaml").write_text(self.recipe_yaml)

@@ -110,3 +110,27 @@ def test_eval_mode_dropout_is_deterministic():
     attn = Attention(32, 4, attn_drop=0.5, proj_drop=0.5).eval()
     x = torch.randn(2, 5, 32)
     assert torch.equal(attn(x), attn(x))
+
+
+def test_causal_fast_path_equals_eager():
+    a, b = _pair()
+    x = torch.randn(2, 7, 32)
+    torch.testing.assert_close(b(x, MaskSpec(causal=True)), a(x, MaskSpec(causal=True)), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(b(x, MaskSpec(causal=True)), b(x))  # the mask did something
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_fully_masked_rows_have_finite_gradients(kernel):
+    attn = Attention(32, 4, kernel=kernel)
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    valid = torch.tensor([[True] * 4, [False] * 4])
+    attn(x, MaskSpec(valid=valid)).sum().backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in attn.parameters())
+
+
+def test_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):
+        Attention(32, 4, kernel="flash")
+    attn = Attention(32, 4)
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        attn.kernel = "flex2"

@@ -34,3 +34,10 @@ def test_shape_errors():
         cat_tokens(
             [Tokens.from_embeddings(torch.zeros(2, 3, 8), 1), Tokens.from_embeddings(torch.zeros(3, 3, 8), 1)]
         )
+
+
+def test_left_padded_rows_count_positions_from_their_first_real_token():
+    valid = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    t = Tokens.from_embeddings(torch.zeros(2, 5, 8), 0, valid=valid)
+    assert t.positions[0, :, 0].tolist() == [0, 0, 0, 1, 2]
+    assert t.positions[1, :, 0].tolist() == [0, 1, 2, 3, 4]

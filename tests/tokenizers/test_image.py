@@ -9,7 +9,9 @@ from mmformer.tokenizers import ViTPatchTokenizer
 def test_uint8_pixels_are_scaled_and_normalised_like_torchvision():
     from torchvision.transforms import v2
 
-    tok = ViTPatchTokenizer(16, image_size=8, patch_size=4, in_chans=3, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
+    tok = ViTPatchTokenizer(
+        16, image_size=8, patch_size=4, in_chans=3, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3)
+    )
     raw = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
     ref = v2.Normalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))(v2.ToDtype(torch.float32, scale=True)(raw))
     torch.testing.assert_close(tok(raw).x, tok(ref).x, atol=1e-5, rtol=1e-5)
