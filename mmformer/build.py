@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import difflib
 import functools
+import sys
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from .config import (
     BackboneConfig,
@@ -25,6 +26,7 @@ from .config import (
 )
 from .data.datamodule import MultiTaskDataModule
 from .data.image import cifar10_data, image_folder_data
+from .data.roots import DataError, DataNotFoundError
 from .models import Backbone, ClassifierHead, MultimodalModel
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
@@ -118,14 +120,21 @@ def build_module(recipe: RecipeConfig, model: MultimodalModel | None = None) -> 
 
 
 def build_datamodule(recipe: RecipeConfig) -> MultiTaskDataModule:
-    """Resolves every task's data root now (preparing missing bundled datasets, failing clearly on
-    missing paths) and builds the datasets lazily in each process's ``setup``."""
+    """Resolves every task's data now (preparing missing bundled datasets, failing clearly on missing
+    paths, naming the recipe key); each process builds its own datasets again in ``setup``.
+
+    Raises ``DataError`` / ``DataNotFoundError`` prefixed with ``tasks.<name>.data``.
+    """
     factories = {}
     for name, task in recipe.tasks.items():
         entry = lookup("dataset", task.data.kind)
         factories[name] = functools.partial(entry.builder, task.data, task, recipe)
     dm = MultiTaskDataModule(factories, seed=recipe.seed)
-    dm.setup()  # fail now on a bad path, not after the processes have launched
+    for name, make in factories.items():
+        try:
+            dm.data[name] = make()
+        except (DataNotFoundError, DataError, FileNotFoundError) as e:
+            raise type(e)(f"tasks.{name}.data: {e.args[0] if e.args else e}") from None
     return dm
 
 
@@ -166,6 +175,12 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         auto_insert_metric_name=False,  # validation only: a step-triggered save would carry a stale score
     )
     last = [LastCheckpoint(str(run.checkpoints), ck.every_n_train_steps)] if ck.save_last else []
+    # Redrawn every step on a terminal; into a log file, a line every 20 steps is plenty.
+    progress = (
+        [TQDMProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20)]
+        if recipe.trainer.enable_progress_bar
+        else []
+    )
     loggers = build_loggers(
         recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
     )
@@ -190,6 +205,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         num_sanity_val_steps=t.num_sanity_val_steps,
         deterministic=t.deterministic,
         enable_progress_bar=t.enable_progress_bar,
+        enable_model_summary=False,  # the CLI prints parameters and FLOPs per sample instead
         default_root_dir=str(run.dir),
         use_distributed_sampler=False,  # the datamodule shards itself (no padded evaluation)
         logger=loggers,
@@ -199,6 +215,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
             *last,
             ThroughputLogger(),
             BadSampleReport(),
+            *progress,
             *extra_callbacks,
         ],
         plugins=[AtomicCheckpointIO()],

@@ -28,42 +28,53 @@ def _say(msg: str) -> None:
 
 
 def cmd_train(args) -> int:
-    from .config import load_recipe, recipe_to_yaml
+    from .config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    _say("# resolved recipe\n" + recipe_to_yaml(recipe))
-    trainer, run = train(recipe)
-    if trainer.is_global_zero:
-        _report(trainer, run)
+    trainer, run = train(recipe, verbose=True)
+    if not trainer.is_global_zero:
+        return 0
+    if trainer.interrupted:
+        print(
+            f"interrupted at step {trainer.global_step}; run folder: {run.dir}\n"
+            f"continue with: mmformer train {args.recipe} {' '.join(args.overrides)} resume=auto".rstrip()
+        )
+        return 130
+    _report(trainer, run)
     return 0
 
 
-def train(recipe, extra_callbacks=()):
+def train(recipe, extra_callbacks=(), verbose: bool = False):
     """Train a resolved recipe (what ``mmformer train`` does); returns ``(trainer, run)``.
 
     Ends with a validation of the final weights when the last step was not already validated.
+    ``verbose`` prints the resolved recipe, the model's size and FLOPs, and what is resumed.
     """
     import lightning as L
 
     from .build import build_datamodule, build_module, build_trainer
+    from .config import recipe_to_yaml
     from .training.callbacks import LastValidationStep
     from .training.loggers import finish_loggers
-    from .training.runs import RESUME_ENV, RUN_ID_ENV, open_run
+    from .training.runs import RESUME_ENV, RUN_ID_ENV, describe_resume, open_run
 
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     run = open_run(recipe.name, recipe.resume)
     trainer = None
     try:
-        datamodule = build_datamodule(recipe)
+        datamodule = build_datamodule(recipe)  # fails here, before anything long, on bad data paths
         module = build_module(recipe)
+        if verbose:
+            _say("# resolved recipe\n" + recipe_to_yaml(recipe))
+            _say("\n".join(describe_model(module.model, recipe)))
         tracker = LastValidationStep()
         trainer = build_trainer(recipe, run, module, extra_callbacks=[tracker, *extra_callbacks])
-        if run.resume_from is not None:
-            _say(f"resuming from {run.resume_from}")
+        if run.resume_from is not None and verbose:
+            _say(describe_resume(run, recipe_to_yaml(recipe)))
         trainer.fit(
             module, datamodule=datamodule, ckpt_path=str(run.resume_from) if run.resume_from else None
         )
-        if tracker.step != trainer.global_step:  # the run did not end on a validation: run one now
+        if not trainer.interrupted and tracker.step != trainer.global_step:  # final weights not validated yet
             trainer.validate(module, datamodule=datamodule, verbose=False)
     finally:
         if trainer is not None:
@@ -71,6 +82,27 @@ def train(recipe, extra_callbacks=()):
         os.environ.pop(RUN_ID_ENV, None)
         os.environ.pop(RESUME_ENV, None)
     return trainer, run
+
+
+def describe_model(model, recipe) -> list[str]:
+    """Parameter counts per part and FLOPs per sample for each task (counted on the eager path)."""
+    from .models import count_flops
+
+    parts = {
+        p: sum(x.numel() for x in getattr(model, p).parameters()) for p in ("tokenizers", "backbone", "heads")
+    }
+    lines = [
+        f"parameters: {sum(parts.values()):,} (" + ", ".join(f"{k} {v:,}" for k, v in parts.items()) + ")"
+    ]
+    for name, task in recipe.tasks.items():
+        tok = model.tokenizers[task.tokenizer]
+        if hasattr(tok, "example_input"):
+            flops = count_flops(model, tok.example_input(1), task.tokenizer, task.head)
+            lines.append(
+                f"FLOPs per sample ({name}): forward {flops['forward'] / 1e6:,.1f} M, "
+                f"train step (fwd+bwd) {flops['train'] / 1e6:,.1f} M"
+            )
+    return lines
 
 
 def _report(trainer, run) -> None:
@@ -126,23 +158,10 @@ def cmd_validate(args) -> int:
 def cmd_info(args) -> int:
     from .build import build_model
     from .config import load_recipe, recipe_to_yaml
-    from .models import count_flops
 
     recipe = load_recipe(args.recipe, args.overrides)
     print("# resolved recipe\n" + recipe_to_yaml(recipe))
-    model = build_model(recipe)
-    total = sum(p.numel() for p in model.parameters())
-    print(f"parameters: {total:,}")
-    for part in ("tokenizers", "backbone", "heads"):
-        print(f"  {part}: {sum(p.numel() for p in getattr(model, part).parameters()):,}")
-    for name, task in recipe.tasks.items():
-        tok = model.tokenizers[task.tokenizer]
-        if hasattr(tok, "example_input"):
-            flops = count_flops(model, tok.example_input(1), task.tokenizer, task.head)
-            print(
-                f"FLOPs per sample ({name}): forward {flops['forward'] / 1e6:,.1f} M, "
-                f"train step (fwd+bwd) {flops['train'] / 1e6:,.1f} M"
-            )
+    print("\n".join(describe_model(build_model(recipe), recipe)))
     return 0
 
 
@@ -170,12 +189,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. optim.lr=3e-4 resume=auto")
     t.set_defaults(fn=cmd_train)
     v = sub.add_parser("validate", help="evaluate a checkpoint on its recipe's validation data")
-    v.add_argument("checkpoint", type=Path)
-    v.add_argument("overrides", nargs="*")
+    v.add_argument(
+        "checkpoint", type=Path, help="a .ckpt written by mmformer train (its recipe travels inside)"
+    )
+    v.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. trainer.devices=1")
     v.set_defaults(fn=cmd_validate)
     i = sub.add_parser("info", help="print the resolved recipe, parameter count and FLOPs per sample")
     i.add_argument("recipe", type=Path)
-    i.add_argument("overrides", nargs="*")
+    i.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     i.set_defaults(fn=cmd_info)
     d = sub.add_parser("data", help="bundled datasets")
     d.add_argument("action", choices=["prepare", "list"])
@@ -183,6 +204,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     d.set_defaults(fn=cmd_data)
     return p
+
+
+def _drop_advertising(record: logging.LogRecord) -> bool:
+    return "litlogger" not in record.getMessage()
 
 
 def _setup_logging() -> None:
@@ -204,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Known-harmless deprecation noise from Lightning's use of torch.utils._pytree on torch 2.14.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
+    # A resumed run continues in its own checkpoint folder: that it is not empty is expected.
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_drop_advertising)
     _setup_logging()
     args = _parser().parse_args(argv)
     try:

@@ -389,7 +389,10 @@ def _guard(prefix: str, fn, schema: type, key_hint: str | None = None):
             raise RecipeError(f"'{full}' is required but not set") from None
         m = re.match(r"Value '(.*)' of type '(.*)' could not be converted to (\w+)", first)
         if m:
-            raise RecipeError(f"'{full}' expects {m.group(3)}, got {m.group(1)!r} ({m.group(2)})") from None
+            expected = {"Integer": "int", "Float": "float", "Boolean": "bool", "String": "str"}.get(
+                m.group(3), m.group(3)
+            )
+            raise RecipeError(f"'{full}' expects {expected}, got {m.group(1)!r} ({m.group(2)})") from None
         raise RecipeError(f"'{full}': {first}") from None
     except (ValueError, TypeError, KeyError) as e:
         if isinstance(e, RecipeError):

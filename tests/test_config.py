@@ -45,9 +45,9 @@ def test_typo_in_file_names_nested_key(tmp_path):
 
 
 def test_wrong_type_names_key_and_expected_type():
-    with pytest.raises(RecipeError, match=r"'trainer.max_epochs' expects Integer, got 'abc'"):
+    with pytest.raises(RecipeError, match=r"'trainer.max_epochs' expects int, got 'abc'"):
         load_recipe(QUICKSTART, ["trainer.max_epochs=abc"])
-    with pytest.raises(RecipeError, match=r"'optim.lr' expects Float"):
+    with pytest.raises(RecipeError, match=r"'optim.lr' expects float"):
         load_recipe(QUICKSTART, ["optim.lr=fast"])
 
 

@@ -139,3 +139,16 @@ def test_prepare_unknown_dataset_suggests(workdir, capsys):
 def test_class_count_mismatch_is_named(tiny_recipe, capsys):
     assert main(["train", str(tiny_recipe), "model.heads.cls.num_classes=3"]) == 2
     assert "has 2 class folders (bright, dark) but the head has num_classes=3" in capsys.readouterr().err
+
+
+def test_resume_with_a_changed_recipe_says_so_and_keeps_the_original(tiny_recipe, workdir, capsys):
+    assert main(["train", str(tiny_recipe), "trainer.max_epochs=1"]) == 0
+    (run,) = _run_dirs(workdir, "tiny")
+    capsys.readouterr()
+    assert main(["train", str(tiny_recipe), "trainer.max_epochs=2", "resume=auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming run {run.name} from {run}/checkpoints/last.ckpt (epoch 0, global step 4)" in out
+    assert "trainer.max_epochs: 1 → 2" in out
+    assert "max_epochs: 1\n" in (run / "recipe.yaml").read_text()
+    assert "max_epochs: 2\n" in (run / "recipe.resume-1.yaml").read_text()
+    assert _run_dirs(workdir, "tiny") == [run]

@@ -46,11 +46,12 @@ def resolve_root(root: str, prepare_missing: bool = True) -> Path:
     path = Path(root).expanduser()
     if path.exists():
         return path
-    msg = f"data root {str(path)!r} does not exist"
+    where = "" if path.is_absolute() else f" (relative to the current directory {Path.cwd()})"
+    msg = f"data root {str(path)!r} does not exist{where}"
     close = difflib.get_close_matches(path.name, BUNDLED, n=1, cutoff=0.6)
     if close:
         msg += (
-            f". Did you mean the bundled dataset {close[0]!r}? Set data.root: {close[0]} "
-            f"(prepared automatically, or with: mmformer data prepare {close[0]})"
+            f". Did you mean the bundled dataset {close[0]!r}? Set the root to {close[0]!r}: it is "
+            f"prepared automatically (or run: mmformer data prepare {close[0]})"
         )
     raise DataNotFoundError(msg)

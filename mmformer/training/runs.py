@@ -108,9 +108,47 @@ def git_commit() -> str | None:
         return None
 
 
+def recipe_changes(old_yaml: str, new_yaml: str) -> list[str]:
+    """``key: old → new`` lines for the leaves that differ between two recipes (``resume`` ignored)."""
+    import yaml
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in (d or {}).items():
+            key = f"{prefix}{k}"
+            out.update(flat(v, key + ".") if isinstance(v, dict) else {key: v})
+        return out
+
+    a, b = flat(yaml.safe_load(old_yaml)), flat(yaml.safe_load(new_yaml))
+    return [
+        f"{k}: {a.get(k)!r} → {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if k != "resume" and a.get(k) != b.get(k)
+    ]
+
+
+def describe_resume(run: Run, recipe_yaml: str) -> str:
+    """What is being resumed: run, checkpoint, its step, and how the recipe differs from the run's."""
+    import torch
+
+    ckpt = torch.load(run.resume_from, map_location="cpu", weights_only=True, mmap=True)
+    lines = [
+        f"resuming run {run.run_id} from {run.resume_from} "
+        f"(epoch {ckpt.get('epoch', '?')}, global step {ckpt.get('global_step', '?')})"
+    ]
+    first = run.dir / "recipe.yaml"
+    if first.is_file():
+        changes = recipe_changes(first.read_text(), recipe_yaml)
+        if changes:
+            lines.append("note: the recipe differs from the one this run started with:")
+            lines += [f"  {c}" for c in changes]
+    return "\n".join(lines)
+
+
 class RunFolder(L.Callback):
-    """Writes ``recipe.yaml`` and ``run.json`` from the global-zero process when training starts;
-    on resume ``run.json`` keeps its run and W&B ids and gains a resume record."""
+    """Writes ``recipe.yaml`` and ``run.json`` from the global-zero process when training starts.
+    On resume ``run.json`` keeps its run and W&B ids and gains a resume record, and ``recipe.yaml``
+    keeps the recipe the run started with (a changed recipe is saved beside it as ``recipe.resume-N.yaml``)."""
 
     def __init__(self, run: Run, recipe_yaml: str):
         self.run, self.recipe_yaml = run, recipe_yaml
@@ -119,8 +157,13 @@ class RunFolder(L.Callback):
         if stage != "fit" or not trainer.is_global_zero:  # not again for the closing validation
             return
         self.run.dir.mkdir(parents=True, exist_ok=True)
-        (self.run.dir / "recipe.yaml").write_text(self.recipe_yaml)
         info = read_run_json(self.run.dir)
+        first = self.run.dir / "recipe.yaml"
+        if not first.is_file():
+            first.write_text(self.recipe_yaml)
+        elif recipe_changes(first.read_text(), self.recipe_yaml):
+            n = len(info.get("resumes", [])) + 1
+            (self.run.dir / f"recipe.resume-{n}.yaml").write_text(self.recipe_yaml)
         now = dt.datetime.now().isoformat(timespec="seconds")
         if not info:
             info = {
