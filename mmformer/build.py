@@ -5,6 +5,7 @@ loggers and Trainer. The built-in components are registered here; users register
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import sys
@@ -27,7 +28,7 @@ from .config import (
 from .data.datamodule import MultiTaskDataModule
 from .data.image import cifar10_data, image_folder_data
 from .data.roots import DataError, DataNotFoundError
-from .models import Backbone, ClassifierHead, MultimodalModel
+from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
 from .tokenizers import ViTPatchTokenizer
@@ -40,21 +41,10 @@ from .training.runs import Run, RunFolder
 # --------------------------------------------------------------------------- built-in components
 @register("backbone", "transformer", BackboneConfig)
 def build_transformer(cfg: BackboneConfig) -> Backbone:
-    return Backbone(
-        d_model=cfg.d_model,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_kv_heads,
-        mlp_ratio=cfg.mlp_ratio,
-        qkv_bias=cfg.qkv_bias,
-        drop=cfg.drop,
-        attn_drop=cfg.attn_drop,
-        drop_path=cfg.drop_path,
-        norm_eps=cfg.norm_eps,
-        final_norm=cfg.final_norm,
-        causal=cfg.causal,
-        attn_kernel=cfg.attn_kernel,
-    )
+    kwargs = {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("kind", "preset")
+    }
+    return build_backbone(**kwargs)
 
 
 @register("tokenizer", "vit_patch", ViTPatchConfig)

@@ -37,20 +37,36 @@ class BackboneConfig:
     d_model: Optional[int] = None
     n_layers: Optional[int] = None
     n_heads: Optional[int] = None
-    n_kv_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None  # grouped-query attention (1 = multi-query)
     mlp_ratio: float = 4.0
+    mlp_hidden: Optional[int] = None  # overrides mlp_ratio · d_model
+    block: str = "pre"  # pre | post (BERT) | cross (decoder with cross-attention) | adaln (DiT)
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-6
+    act: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
     qkv_bias: bool = True
+    mlp_bias: bool = True
+    qk_norm: bool = False
     drop: float = 0.0
     attn_drop: float = 0.0
-    drop_path: float = 0.0
-    norm_eps: float = 1e-6
-    final_norm: bool = True
+    drop_path: float = 0.0  # stochastic depth at the last block (linear over depth)
+    layer_scale: Optional[float] = None  # initial LayerScale value, e.g. 1e-5
     causal: bool = False
-    attn_kernel: str = "auto"
+    positions: str = "none"  # none (tokenizers add absolute ones) | rope | alibi
+    rope_base: float = 10_000.0
+    rope_axes: int = 1  # 2 = axial 2-D RoPE over (row, column) of patch grids
+    window: Optional[int] = None  # sliding-window attention, in tokens
+    d_cond: Optional[int] = None  # adaln: conditioning width (default d_model)
+    final_norm: bool = True
+    attn_kernel: str = "auto"  # auto | sdpa | flex | eager
+    sdpa_backend: str = "auto"  # auto | flash | efficient | cudnn | math (CUDA only)
 
     def __post_init__(self) -> None:
+        from .models.backbone import BLOCKS, POSITIONS
         from .models.presets import preset
-        from .nn.attention import KERNELS
+        from .nn.attention import KERNELS, SDPA_BACKENDS
+        from .nn.mlp import ACTIVATIONS
+        from .nn.norms import NORMS
 
         if self.preset is not None:
             for k, v in preset(self.preset).items():
@@ -67,6 +83,23 @@ class BackboneConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.attn_kernel not in KERNELS:
             raise ValueError(f"attn_kernel={self.attn_kernel!r}; choose from {KERNELS}")
+        for name, allowed in (
+            ("block", BLOCKS),
+            ("norm", NORMS),
+            ("act", ACTIVATIONS),
+            ("positions", POSITIONS),
+            ("sdpa_backend", SDPA_BACKENDS),
+        ):
+            if getattr(self, name) not in allowed:
+                close = difflib.get_close_matches(str(getattr(self, name)), allowed, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"{name}={getattr(self, name)!r}.{hint} Choose from {', '.join(allowed)}")
+        if self.positions == "rope" and self.head_dim % (2 * self.rope_axes):
+            raise ValueError(
+                f"RoPE over {self.rope_axes} axes needs head_dim ({self.head_dim}) divisible by "
+                f"{2 * self.rope_axes}"
+            )
+        _positive(self, "window", "mlp_hidden", "d_cond", "rope_axes")
 
     @property
     def head_dim(self) -> int:

@@ -1,10 +1,18 @@
 """Backbone, heads, the composed model, size presets, FLOP counting. Imports torch only
 (timm lazily, inside the adapters that need it)."""
 
-from .backbone import Backbone
+from .backbone import Backbone, build_backbone
 from .flops import count_flops
 from .heads import ClassifierHead
 from .model import MultimodalModel
 from .presets import PRESETS, preset
 
-__all__ = ["Backbone", "ClassifierHead", "MultimodalModel", "PRESETS", "preset", "count_flops"]
+__all__ = [
+    "Backbone",
+    "build_backbone",
+    "ClassifierHead",
+    "MultimodalModel",
+    "PRESETS",
+    "preset",
+    "count_flops",
+]

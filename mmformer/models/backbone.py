@@ -1,100 +1,232 @@
-"""The shared transformer backbone: a stack of blocks and the final norm.
+"""The shared transformer backbone: a stack of blocks, the relative position scheme applied inside
+attention (RoPE / ALiBi), the mask rules, and the final norm.
 
-It owns the blocks and the final norm, and (when a model uses one) the relative position scheme
-applied inside attention; the pre-norm ViT / GPT-2 trunk here uses the absolute position embeddings
-its tokenizers add, so ``Tokens.positions`` is not read. Tokenizers own embeddings, heads own pooling
-and output projections (DESIGN.md).
-Shape legend: B batch, N tokens, D model width.
+Tokenizers own embeddings (absolute positions included), heads own pooling and output projections
+(DESIGN.md). ``build_backbone`` makes the standard variants from plain keyword arguments:
+
+  ViT / BERT-style encoder  ``build_backbone(d_model=768, n_layers=12, n_heads=12)``
+  GPT-2                     ``… causal=True, act="gelu_tanh"``
+  Llama / SmolLM            ``… causal=True, norm="rmsnorm", act="swiglu", positions="rope",
+                            n_kv_heads=3, qkv_bias=False, mlp_bias=False``
+  BERT (post-norm)          ``… block="post", norm_eps=1e-12``
+  Whisper decoder           ``… causal=True, block="cross"``  (forward with ``context=``)
+  DiT                       ``… block="adaln", d_cond=D``      (forward with ``cond=``)
+
+Shape legend: B batch, N tokens, D model width, P position axes.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-from ..nn.blocks import Block
+from ..nn.attention import Attention, AttentionInputs, KVCache
+from ..nn.blocks import AdaLNBlock, Block, CrossAttentionBlock, PostNormBlock
 from ..nn.masks import MaskSpec
+from ..nn.mlp import build_mlp
+from ..nn.norms import build_norm
+from ..nn.positions import RotaryEmbedding, alibi_slopes
 from ..nn.tokens import Tokens
+
+BLOCKS = ("pre", "post", "cross", "adaln")
+POSITIONS = ("none", "rope", "alibi")
+
+
+def modality_spans(modality: Tensor, bidirectional: tuple[int, ...]) -> Tensor | None:
+    """Span ids ``(B, N)``: each contiguous run of tokens whose modality is in ``bidirectional`` gets
+    its own id (1, 2, …), other tokens 0 — the bidirectional image / audio spans of Transfusion."""
+    if not bidirectional:
+        return None
+    inside = torch.isin(modality, torch.tensor(bidirectional, device=modality.device))
+    prev_inside = torch.nn.functional.pad(inside[:, :-1], (1, 0), value=False)
+    prev_mod = torch.nn.functional.pad(modality[:, :-1], (1, 0), value=-1)
+    starts = inside & (~prev_inside | (prev_mod != modality))
+    return torch.cumsum(starts.long(), dim=1) * inside
 
 
 class Backbone(nn.Module):
-    """Pre-norm transformer encoder/decoder trunk (ViT / GPT-2 layout, timm names ``blocks``, ``norm``).
+    """Runs Tokens through ``blocks`` and the final ``norm``.
 
     Args:
-        d_model: width ``D``.
-        n_layers: number of blocks.
-        n_heads: attention heads; ``n_kv_heads`` for grouped-query attention.
-        mlp_ratio: MLP hidden width / ``D``.
-        qkv_bias: bias on the fused qkv projections.
-        drop, attn_drop: dropout rates (training only).
-        drop_path: stochastic depth, increasing linearly over depth to this value (DeiT).
-        norm_eps: LayerNorm epsilon.
-        final_norm: apply the final LayerNorm (``norm``); timm's average-pool ViTs replace it by the
-            head's ``fc_norm``.
-        causal: every query sees only earlier keys (decoders).
-        attn_kernel: ``auto`` / ``sdpa`` / ``eager`` (see ``mmformer.nn.attention``).
-
-    ``forward(tokens) → (B, N, D)`` hidden states; padding tokens (``tokens.valid`` False) are never
-    attended to, and ``tokens.document`` restricts attention to each packed document.
+        blocks: the block modules (all of one family).
+        norm: the final norm (``nn.Identity()`` for none).
+        causal: every query sees only earlier keys (decoders), except inside bidirectional spans.
+        positions: ``none`` (absolute embeddings from the tokenizers), ``rope`` or ``alibi``.
+        rope_base: RoPE θ; ``rope_axes``: 1 for sequences, 2 for patch grids (axial 2-D RoPE).
+        window: sliding-window attention size in tokens, or None.
+        bidirectional_modalities: modality ids whose contiguous runs attend bidirectionally in a
+            causal model (``(MODALITY_IDS["image"],)`` makes an image prefix a prefix-LM prefix).
     """
 
     def __init__(
         self,
-        d_model: int,
-        n_layers: int,
-        n_heads: int,
-        n_kv_heads: int | None = None,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        norm_eps: float = 1e-6,
-        final_norm: bool = True,
+        blocks: list[nn.Module],
+        norm: nn.Module,
         causal: bool = False,
-        attn_kernel: str = "auto",
+        positions: str = "none",
+        rope_base: float = 10_000.0,
+        rope_axes: int = 1,
+        window: int | None = None,
+        bidirectional_modalities: tuple[int, ...] = (),
     ):
         super().__init__()
-        self.d_model, self.n_layers, self.n_heads = d_model, n_layers, n_heads
-        self.mlp_ratio, self.causal = mlp_ratio, causal
-        dpr = [drop_path * i / max(n_layers - 1, 1) for i in range(n_layers)]  # stochastic depth decay
-        self.blocks = nn.ModuleList(
-            Block(
-                d_model,
-                n_heads,
-                mlp_ratio,
-                n_kv_heads,
-                qkv_bias,
-                "gelu",
-                drop,
-                attn_drop,
-                p,
-                norm_eps,
-                attn_kernel,
-            )
-            for p in dpr
-        )
-        self.norm = nn.LayerNorm(d_model, eps=norm_eps) if final_norm else nn.Identity()
-        self.init_weights()
+        if positions not in POSITIONS:
+            raise ValueError(f"unknown positions {positions!r}; choose from {POSITIONS}")
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = norm
+        attn = self.blocks[0].attn
+        self.d_model, self.n_layers, self.n_heads = attn.proj.out_features, len(blocks), attn.n_heads
+        self.causal, self.positions, self.window = causal, positions, window
+        self.bidirectional_modalities = tuple(bidirectional_modalities)
+        self.rope = RotaryEmbedding(attn.head_dim, rope_base, rope_axes) if positions == "rope" else None
+        slopes = alibi_slopes(attn.n_heads) if positions == "alibi" else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     def init_weights(self) -> None:
-        """timm ViT init: trunc-normal(0.02) linear weights, zero biases, unit LayerNorms."""
+        """timm ViT init: trunc-normal(0.02) linear weights, zero biases, unit norms; blocks with their
+        own ``init_weights`` (adaLN-Zero) re-apply it afterwards."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
+            elif isinstance(m, nn.LayerNorm | nn.RMSNorm) and m.weight is not None:
                 nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        for m in self.modules():
+            if m is not self and hasattr(m, "init_weights"):
+                m.init_weights()
 
     def set_attn_kernel(self, kernel: str) -> None:
-        """Switch every block's attention kernel (``eager`` to count FLOPs, ``sdpa`` to train)."""
-        for block in self.blocks:
-            block.attn.kernel = kernel
+        """Switch every attention kernel (``eager`` to count FLOPs, ``sdpa`` to train, …)."""
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.kernel = kernel
 
-    def forward(self, tokens: Tokens) -> Tensor:
-        mask = MaskSpec.from_tokens(tokens.valid, tokens.document, self.causal)
+    def forward(
+        self,
+        tokens: Tokens,
+        *,
+        cond: Tensor | None = None,
+        context: Tokens | None = None,
+        cache: KVCache | None = None,
+        span: Tensor | None = None,
+    ) -> Tensor:
+        """``tokens`` → hidden states ``(B, N, D)``.
+
+        Args:
+            cond: ``(B, Dc)`` conditioning vector (adaLN blocks).
+            context: Tokens to cross-attend to (cross-attention blocks); its padding is never read.
+            cache: KV cache; the new tokens follow the cached ones (their ``positions`` must continue).
+            span: explicit bidirectional span ids ``(B, N)`` (prefix-LM over text); default from
+                ``bidirectional_modalities``.
+        """
+        past = cache.length if cache is not None else 0
+        valid, document, positions = tokens.valid, tokens.document, tokens.positions
+        if span is None:
+            span = modality_spans(tokens.modality, self.bidirectional_modalities)
+        if past:
+            valid = torch.cat([cache.valid, valid], dim=1)
+            document = torch.cat([cache.document, document], dim=1)
+            positions = torch.cat([cache.positions, positions], dim=1)
+            if span is not None:  # a span never reaches back into cached tokens
+                span = torch.cat([span.new_zeros(span.shape[0], past), span], dim=1)
+        mask = MaskSpec.from_tokens(valid, document, self.causal, span, self.window, q_offset=past)
+        inputs = AttentionInputs(
+            mask=mask,
+            rope=self.rope(tokens.positions) if self.rope is not None else None,
+            alibi_slopes=self.alibi_slopes,
+            q_pos=tokens.positions[..., 0],
+            k_pos=positions[..., 0],
+        )
+        ctx = None
+        if context is not None:
+            ctx = context.x
+            inputs.context_mask = MaskSpec(valid=None if context.all_valid else context.valid)
         x = tokens.x
-        for block in self.blocks:
-            x = block(x, mask)
+        for i, block in enumerate(self.blocks):
+            x = block(x, inputs, context=ctx, cond=cond, cache=cache, layer=i)
+        if cache is not None:
+            cache.extend(tokens.valid, tokens.document, tokens.positions)
         return self.norm(x)
+
+
+def build_backbone(
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    *,
+    n_kv_heads: int | None = None,
+    mlp_ratio: float = 4.0,
+    block: str = "pre",
+    norm: str = "layernorm",
+    norm_eps: float = 1e-6,
+    act: str = "gelu",
+    qkv_bias: bool = True,
+    mlp_bias: bool = True,
+    qk_norm: bool = False,
+    drop: float = 0.0,
+    attn_drop: float = 0.0,
+    drop_path: float = 0.0,
+    layer_scale: float | None = None,
+    causal: bool = False,
+    positions: str = "none",
+    rope_base: float = 10_000.0,
+    rope_axes: int = 1,
+    window: int | None = None,
+    bidirectional_modalities: tuple[int, ...] = (),
+    d_cond: int | None = None,
+    d_context: int | None = None,
+    final_norm: bool = True,
+    attn_kernel: str = "auto",
+    sdpa_backend: str = "auto",
+    mlp_hidden: int | None = None,
+) -> Backbone:
+    """A ``Backbone`` of ``n_layers`` blocks of family ``block`` (``pre``, ``post``, ``cross``, ``adaln``).
+
+    Stochastic depth rises linearly over depth to ``drop_path`` (DeiT). ``mlp_hidden`` overrides
+    ``mlp_ratio · d_model`` (Llama-style sizes). Raises ``ValueError`` on an unknown family,
+    norm, activation or position scheme, or on indivisible head counts.
+    """
+    if block not in BLOCKS:
+        raise ValueError(f"unknown block {block!r}; choose from {BLOCKS}")
+    hidden = mlp_hidden or int(d_model * mlp_ratio)
+
+    def attention(cross: bool = False) -> Attention:
+        return Attention(
+            d_model,
+            n_heads,
+            n_kv_heads,
+            qkv_bias,
+            attn_drop,
+            drop,
+            attn_kernel,
+            qk_norm,
+            cross=cross,
+            d_context=d_context,
+            sdpa_backend=sdpa_backend,
+        )
+
+    blocks = []
+    for i in range(n_layers):
+        dp = drop_path * i / max(n_layers - 1, 1)
+        mlp = build_mlp(d_model, hidden, act, mlp_bias, drop)
+        if block == "pre":
+            blocks.append(Block(d_model, attention(), mlp, norm, norm_eps, dp, layer_scale))
+        elif block == "post":
+            blocks.append(PostNormBlock(d_model, attention(), mlp, norm, norm_eps, dp, layer_scale))
+        elif block == "cross":
+            blocks.append(
+                CrossAttentionBlock(
+                    d_model, attention(), mlp, attention(cross=True), norm, norm_eps, dp, layer_scale
+                )
+            )
+        else:
+            blocks.append(AdaLNBlock(d_model, attention(), mlp, d_cond or d_model, norm_eps, dp))
+    final = build_norm(norm, d_model, norm_eps) if final_norm and block != "post" else nn.Identity()
+    backbone = Backbone(
+        blocks, final, causal, positions, rope_base, rope_axes, window, bidirectional_modalities
+    )
+    backbone.init_weights()
+    return backbone

@@ -1,54 +1,159 @@
-"""Multi-head self-attention with one fused ``qkv`` projection and switchable kernels.
+"""Multi-head attention: one module for self- and cross-attention, with switchable kernels.
+
+Projections (timm / whisper names): self-attention has one fused ``qkv`` of width
+``(H + 2·Hkv)·Dh``; cross-attention has ``q`` plus a fused ``kv``; both end in ``proj``.
 
 Kernels:
-  * ``eager`` — the readable reference: ``softmax(q kᵀ / √d + mask) v`` written out. Every fused
-    kernel is tested against it, and it is the path on which FLOPs can be counted on CPU.
-  * ``sdpa`` — ``F.scaled_dot_product_attention`` (FlashAttention / memory-efficient / cuDNN on GPU).
-  * ``auto`` — the fastest correct kernel; for the masks built here (padding, causal, documents) that
-    is ``sdpa`` on every device, with and without gradients.
+  * ``eager`` — the readable reference, ``softmax(q kᵀ / √Dh + bias, masked) v`` written out. Every
+    fused kernel is tested against it; FLOPs can be counted on it on CPU.
+  * ``sdpa`` — ``F.scaled_dot_product_attention`` (FlashAttention / memory-efficient / cuDNN on GPU;
+    ``sdpa_backend`` forces one through ``torch.nn.attention.sdpa_kernel``), with a dense bool mask
+    or the ``is_causal`` fast path.
+  * ``flex`` — FlexAttention: the mask as a ``BlockMask`` built from the same rule, ALiBi as a score
+    modification, no dense ``N × N`` tensor. Compiled on GPU; on CPU torch runs it uncompiled and
+    forward-only (it refuses inputs that require grad).
+  * ``auto`` — the fastest kernel that is correct here: ``flex`` on CUDA for the masks sdpa can only
+    take densely (documents, spans, windows, ALiBi), otherwise ``sdpa`` (always on CPU when training).
 
-Parameter names follow timm's ``Attention`` (``qkv``, ``proj``) so ViT checkpoints map by prefix.
-Reference: Vaswani et al. 2017 (arXiv:1706.03762) §3.2; GQA: Ainslie et al. 2023 (arXiv:2305.13245).
+Options: grouped-query / multi-query attention (``n_kv_heads``; Ainslie et al. 2023,
+arXiv:2305.13245), QK-norm (RMSNorm over each head's queries and keys; Dehghani et al. 2023,
+arXiv:2302.05442), RoPE and ALiBi (``mmformer.nn.positions``), attention dropout (training only),
+and a KV cache for incremental decoding (``KVCache``). Fully masked query rows return zeros.
+Reference: Vaswani et al. 2017 (arXiv:1706.03762) §3.2.
 
-Shape legend: B batch, N tokens, D model width, H query heads, Hkv key/value heads, Dh head width.
+Shape legend: B batch, Nq queries, Nk keys, D model width, H query heads, Hkv key/value heads,
+Dh head width.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass, field
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .masks import MaskSpec
+from .positions import RotaryEmbedding
 
-KERNELS = ("auto", "eager", "sdpa")
+KERNELS = ("auto", "eager", "sdpa", "flex")
+SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
-def eager_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float = 0.0) -> Tensor:
-    """Reference attention. ``q (B, H, N, Dh)``, ``k, v (B, H, M, Dh)``, ``mask`` bool broadcastable to
-    ``(B, H, N, M)`` with True = may attend. Fully masked query rows return zeros."""
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, N, M)
+@dataclass
+class AttentionInputs:
+    """What every layer's attention needs besides its input, computed once per forward.
+
+    Attributes:
+        mask: who may attend to whom (self-attention).
+        context_mask: which context tokens cross-attention may read (their ``valid``).
+        rope: ``(cos, sin)`` for the queries' positions, ``(B, 1, Nq, Dh)`` each, or None.
+        alibi_slopes: ``(H,)`` ALiBi slopes, or None.
+        q_pos: ``(B, Nq)`` query positions (ALiBi); k_pos: ``(B, Nk)`` key positions.
+    """
+
+    mask: MaskSpec = field(default_factory=MaskSpec)
+    context_mask: MaskSpec = field(default_factory=MaskSpec)
+    rope: tuple[Tensor, Tensor] | None = None
+    alibi_slopes: Tensor | None = None
+    q_pos: Tensor | None = None
+    k_pos: Tensor | None = None
+
+
+class KVCache:
+    """Keys and values of past tokens, per layer, plus the per-token metadata masks need.
+
+    ``Backbone.forward(tokens, cache=cache)`` appends the new tokens; the cache never supplies positions
+    (the caller's Tokens do, counting on from the cache length).
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[int, Tensor] = {}  # layer → (B, Hkv, Nk, Dh)
+        self.values: dict[int, Tensor] = {}
+        self.valid: Tensor | None = None  # (B, Nk) bool
+        self.document: Tensor | None = None  # (B, Nk) long
+        self.positions: Tensor | None = None  # (B, Nk, P) long
+
+    @property
+    def length(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k, v (B, Hkv, Nq, Dh)`` for ``layer``; returns all keys and values so far."""
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:
+        """Append the new tokens' metadata (called once per forward, after every layer ran)."""
+        cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)
+        self.valid, self.document = cat(self.valid, valid), cat(self.document, document)
+        self.positions = cat(self.positions, positions)
+
+
+def eager_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None = None, dropout_p: float = 0.0
+) -> Tensor:
+    """Reference attention. ``q (B, H, Nq, Dh)``, ``k, v (B, H, Nk, Dh)``, ``mask`` bool broadcastable to
+    ``(B, H, Nq, Nk)`` (True = may attend), ``bias`` additive float. Fully masked rows return zeros."""
+    scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, Nq, Nk)
+    if bias is not None:
+        scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    attn = scores.float().softmax(dim=-1).nan_to_num(0.0).to(q.dtype)  # fully masked row → 0
+    attn = scores.softmax(dim=-1).nan_to_num(0.0).to(q.dtype)  # a fully masked row → 0
     if dropout_p > 0.0:
         attn = F.dropout(attn, p=dropout_p)
-    return attn @ v  # (B, H, N, Dh)
+    return attn @ v  # (B, H, Nq, Dh)
+
+
+_compiled_flex = None
+
+
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) -> Tensor:
+    """FlexAttention, compiled once on accelerators; uncompiled (the slow reference path) on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    global _compiled_flex
+    if q.device.type == "cpu":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError(
+                "FlexAttention has no backward pass on CPU: train with kernel sdpa (or auto), "
+                "or run flex under torch.no_grad()"
+            )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return flex(
+                q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1]
+            )
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex, dynamic=False)
+    return _compiled_flex(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class Attention(nn.Module):
-    """Self-attention over Tokens.
+    """Self-attention (``cross=False``) or cross-attention from a context (``cross=True``).
 
     Args:
         d_model: width ``D``; must be divisible by ``n_heads``.
         n_heads: query heads ``H``.
-        n_kv_heads: key/value heads (``None`` → ``n_heads``; 1 = multi-query). Must divide ``n_heads``.
-        qkv_bias: bias on the fused ``qkv`` projection.
+        n_kv_heads: key/value heads (``None`` → ``n_heads``; 1 = multi-query); must divide ``n_heads``.
+        qkv_bias: bias on the input projections.
         attn_drop: dropout on attention weights (training only).
         proj_drop: dropout after the output projection.
-        kernel: one of ``KERNELS``; can be changed later through the ``kernel`` attribute.
+        kernel: one of ``KERNELS``; can be switched later (``attn.kernel = "eager"``).
+        qk_norm: RMSNorm over each head's queries and keys before the dot product.
+        cross: cross-attention: queries from ``x``, keys and values from ``context``.
+        d_context: context width (cross-attention; default ``d_model``).
+        sdpa_backend: force an SDPA backend on CUDA (``flash``, ``efficient``, ``cudnn``, ``math``).
 
     Raises:
-        ValueError: on indivisible widths / head counts or an unknown kernel.
+        ValueError: indivisible widths / head counts, or an unknown kernel or backend.
     """
 
     def __init__(
@@ -60,6 +165,10 @@ class Attention(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         kernel: str = "auto",
+        qk_norm: bool = False,
+        cross: bool = False,
+        d_context: int | None = None,
+        sdpa_backend: str = "auto",
     ):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -67,11 +176,19 @@ class Attention(nn.Module):
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
+        if sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"unknown sdpa_backend {sdpa_backend!r}; choose from {SDPA_BACKENDS}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
-        self.kernel = kernel
-        self.attn_drop = attn_drop
-        self.qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=qkv_bias)
-        self.proj = nn.Linear(n_heads * self.head_dim, d_model)
+        self.kernel, self.sdpa_backend, self.attn_drop, self.cross = kernel, sdpa_backend, attn_drop, cross
+        H, Hkv, Dh = n_heads, n_kv_heads, self.head_dim
+        if cross:
+            self.q = nn.Linear(d_model, H * Dh, bias=qkv_bias)
+            self.kv = nn.Linear(d_context or d_model, 2 * Hkv * Dh, bias=qkv_bias)
+        else:
+            self.qkv = nn.Linear(d_model, (H + 2 * Hkv) * Dh, bias=qkv_bias)
+        self.q_norm = nn.RMSNorm(Dh, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(Dh, eps=1e-6) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(H * Dh, d_model)
         self.proj_drop = nn.Dropout(proj_drop)
 
     @property
@@ -84,26 +201,131 @@ class Attention(nn.Module):
             raise ValueError(f"unknown attention kernel {kernel!r}; choose from {KERNELS}")
         self._kernel = kernel
 
-    def forward(self, x: Tensor, mask: MaskSpec | None = None) -> Tensor:
-        """``x (B, N, D)`` → ``(B, N, D)``; ``mask`` describes who may attend to whom."""
+    # ------------------------------------------------------------------ projections
+    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         B, N, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv(x).view(B, N, H + 2 * Hkv, Dh).transpose(1, 2)  # (B, H + 2·Hkv, N, Dh)
-        q, k, v = qkv.split([H, Hkv, Hkv], dim=1)
-        if Hkv != H:  # GQA: every group of H / Hkv query heads shares one key/value head
-            k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))  # (B, H, N, Dh)
-        mask = mask or MaskSpec()
-        dense = None if mask.is_full or mask.is_causal_only else mask.dense(N, x.device)
-        dropout_p = self.attn_drop if self.training else 0.0
-        if self.kernel == "eager":
-            if mask.is_causal_only:
-                dense = mask.dense(N, x.device)
-            out = eager_attention(q, k, v, dense, dropout_p)
-        else:  # sdpa (and auto)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=dense, dropout_p=dropout_p, is_causal=mask.is_causal_only
-            )
-            if dense is not None:  # sdpa's fully masked rows are backend-dependent: make them zeros
-                out = out.masked_fill(~dense.any(dim=-1, keepdim=True), 0.0)
-        out = out.transpose(1, 2).reshape(B, N, H * Dh)  # (B, N, D)
+        if self.cross:
+            q = self.q(x).view(B, N, H, Dh).transpose(1, 2)  # (B, H, Nq, Dh)
+            M = context.shape[1]
+            k, v = self.kv(context).view(B, M, 2 * Hkv, Dh).transpose(1, 2).split([Hkv, Hkv], dim=1)
+        else:
+            qkv = self.qkv(x).view(B, N, H + 2 * Hkv, Dh).transpose(1, 2)  # (B, H + 2·Hkv, N, Dh)
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=1)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def forward(
+        self,
+        x: Tensor,
+        inputs: AttentionInputs | MaskSpec | None = None,
+        context: Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> Tensor:
+        """``x (B, Nq, D)`` → ``(B, Nq, D)``.
+
+        ``inputs``: mask, RoPE angles and ALiBi for this forward (or just a ``MaskSpec``). ``context (B, Nk, D_ctx)``: the
+        cross-attention source. ``cache``: append this forward's keys/values to ``layer``'s cache and
+        attend over all of them (self-attention only).
+        """
+        if inputs is None or isinstance(inputs, MaskSpec):  # a bare mask is enough for most uses
+            inputs = AttentionInputs(mask=inputs or MaskSpec())
+        if self.cross:
+            if context is None:
+                raise ValueError("cross-attention needs a context")
+            inputs = AttentionInputs(mask=inputs.context_mask)  # no causality, RoPE or ALiBi across sequences
+        B, Nq, _ = x.shape
+        q, k, v = self._project(x, context)
+        if inputs.rope is not None and not self.cross:
+            cos, sin = inputs.rope
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        if cache is not None and not self.cross:
+            k, v = cache.update(layer, k, v)  # (B, Hkv, Nk, Dh)
+        out = self._attend(q, k, v, inputs)  # (B, H, Nq, Dh)
+        out = out.transpose(1, 2).reshape(B, Nq, self.n_heads * self.head_dim)
         return self.proj_drop(self.proj(out))
+
+    # ------------------------------------------------------------------ kernels
+    def resolve_kernel(self, q: Tensor, inputs: AttentionInputs) -> str:
+        """The kernel ``auto`` stands for, given the device, grad mode and mask."""
+        if self.kernel != "auto":
+            return self.kernel
+        m = inputs.mask
+        needs_dense = m.document is not None or m.span is not None or m.window is not None
+        needs_dense = needs_dense or inputs.alibi_slopes is not None
+        if q.device.type == "cuda" and needs_dense and self.attn_drop == 0.0:
+            return "flex"
+        return "sdpa"
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs) -> Tensor:
+        mask, Nq, Nk = inputs.mask, q.shape[2], k.shape[2]
+        if mask.valid is not None:  # padded keys/values hold anything (even NaN): zero them, 0·NaN is NaN
+            pad = ~mask.valid[:, None, :, None]  # (B, 1, Nk, 1)
+            k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        kernel = self.resolve_kernel(q, inputs)
+        dropout_p = self.attn_drop if self.training else 0.0
+        if kernel == "flex":
+            if dropout_p > 0.0:
+                raise ValueError("the flex kernel has no attention dropout; use sdpa or eager")
+            return flex_attention(
+                q, k, v, mask.block_mask(q.shape[0], Nq, Nk, q.device), self._score_mod(inputs)
+            )
+        bias = self._alibi(inputs)
+        fast_causal = mask.is_causal_only and Nq == Nk and bias is None
+        dense = None if (mask.is_full or fast_causal) else mask.dense(Nq, Nk, q.device)
+        if kernel == "eager":
+            if fast_causal:
+                dense = mask.dense(Nq, Nk, q.device)
+            if self.n_kv_heads != self.n_heads:  # GQA: each group of H / Hkv query heads shares a kv head
+                k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+            return eager_attention(q, k, v, dense, bias, dropout_p)
+        attn_mask = dense
+        if bias is not None:  # sdpa takes one additive float mask: ALiBi plus the mask's -inf
+            attn_mask = (
+                bias.to(q.dtype) if dense is None else bias.to(q.dtype).masked_fill(~dense, float("-inf"))
+            )
+        with self._sdpa_context(q):
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=fast_causal,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )
+        if dense is not None:  # sdpa's fully masked rows are backend-dependent (NaN or mean): make them 0
+            out = out.masked_fill(~dense.any(dim=-1, keepdim=True), 0.0)
+        return out
+
+    def _alibi(self, inputs: AttentionInputs) -> Tensor | None:
+        if inputs.alibi_slopes is None:
+            return None
+        from .positions import alibi_bias
+
+        return alibi_bias(inputs.alibi_slopes, inputs.q_pos, inputs.k_pos)  # (B, H, Nq, Nk)
+
+    def _score_mod(self, inputs: AttentionInputs):
+        if inputs.alibi_slopes is None:
+            return None
+        slopes, qp, kp = inputs.alibi_slopes.to(inputs.q_pos.device), inputs.q_pos, inputs.k_pos
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (qp[b, q_idx] - kp[b, kv_idx]).abs()
+
+        return alibi
+
+    def _sdpa_context(self, q: Tensor):
+        from contextlib import nullcontext
+
+        if self.sdpa_backend == "auto" or q.device.type != "cuda":
+            return nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }[self.sdpa_backend]
+        return sdpa_kernel(backend)

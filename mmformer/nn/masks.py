@@ -1,9 +1,23 @@
-"""Attention masks described as rules and converted to what each kernel needs.
+"""Attention masks described as rules, turned into what each kernel needs.
 
 Convention everywhere in mmformer: ``True`` = may attend / is real. Conversions to other
 conventions (additive float masks, ``nn.MultiheadAttention``'s True = ignore) happen only here.
 
-Shape legend: B batch, N tokens (queries = keys for self-attention).
+One rule function (``MaskSpec.allows``) decides whether query ``i`` may attend to key ``j``; the
+same function, evaluated on index grids, gives the dense mask for ``eager`` / ``sdpa`` and, as a
+``mask_mod``, the FlexAttention ``BlockMask`` — so every kernel sees exactly the same mask.
+
+Rules (all optional, combined with AND):
+  * ``causal`` — ``j <= i``; tokens that share a nonzero ``span`` id also see each other both ways
+    (prefix-LM: the prefix is span 1; Transfusion: every image/audio span gets its own id).
+  * ``window`` — sliding window: ``i - j < window`` (and ``j - i < window`` when not causal).
+  * ``valid`` — padding keys are never attended.
+  * ``document`` — tokens attend only within their packed document.
+With a KV cache the ``Nq`` queries are the last ``Nq`` of the ``Nk`` keys (``q_offset = Nk - Nq``):
+a query shorter than the keys is aligned to the end. Per-token tensors (``valid``, ``document``,
+``span``) cover all ``Nk`` key positions.
+
+Shape legend: B batch, Nq queries, Nk keys.
 """
 
 from __future__ import annotations
@@ -16,50 +30,116 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """Rules that decide whether query ``i`` may attend to key ``j``.
+    """Rules that decide whether query ``i`` may attend to key ``j`` (True = may attend).
 
     Attributes:
-        causal: ``j <= i`` only.
-        valid: optional ``(B, N)`` bool, keys that are real tokens (padding is never attended).
-        document: optional ``(B, N)`` long, tokens attend only within their own document.
+        causal: ``j <= i`` (except inside a shared ``span``).
+        valid: optional ``(B, Nk)`` bool, keys that are real tokens.
+        document: optional ``(B, Nk)`` long, packed-sequence ids.
+        span: optional ``(B, Nk)`` long, bidirectional span ids (0 = none) inside a causal sequence.
+        window: optional sliding-window size in tokens (>= 1).
+        q_offset: position of the first query among the keys (KV-cache decoding).
     """
 
     causal: bool = False
     valid: Tensor | None = None
     document: Tensor | None = None
+    span: Tensor | None = None
+    window: int | None = None
+    q_offset: int = 0
 
     @classmethod
-    def from_tokens(cls, valid: Tensor, document: Tensor, causal: bool) -> MaskSpec:
+    def from_tokens(
+        cls,
+        valid: Tensor,
+        document: Tensor,
+        causal: bool,
+        span: Tensor | None = None,
+        window: int | None = None,
+        q_offset: int = 0,
+    ) -> MaskSpec:
         """Drop rules that allow everything, so kernels can take their fast path.
 
-        ``valid.all()`` and the document check sync with the device once per forward.
+        ``valid.all()`` and the document / span checks sync with the device once per forward.
         """
         keep_valid = None if bool(valid.all()) else valid
         keep_doc = None if bool((document == document[:, :1]).all()) else document
-        return cls(causal=causal, valid=keep_valid, document=keep_doc)
+        keep_span = span if causal and span is not None and bool((span > 0).any()) else None
+        return cls(
+            causal=causal,
+            valid=keep_valid,
+            document=keep_doc,
+            span=keep_span,
+            window=window,
+            q_offset=q_offset,
+        )
 
     @property
     def is_full(self) -> bool:
         """Every query may attend to every key: no mask at all."""
-        return not self.causal and self.valid is None and self.document is None
+        return not self.causal and self.valid is None and self.document is None and self.window is None
 
     @property
     def is_causal_only(self) -> bool:
-        """Plain causal: kernels take ``is_causal=True`` instead of a dense mask."""
-        return self.causal and self.valid is None and self.document is None
+        """Plain causal with queries = keys: kernels take ``is_causal=True`` instead of a mask."""
+        return (
+            self.causal
+            and self.valid is None
+            and self.document is None
+            and self.span is None
+            and self.window is None
+            and self.q_offset == 0
+        )
 
-    def dense(self, n: int, device: torch.device | None = None) -> Tensor:
-        """The mask as a dense bool tensor ``(B or 1, 1, N, N)``, True = may attend."""
-        ref = self.valid if self.valid is not None else self.document
-        device = ref.device if ref is not None else device
-        mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=device)
+    @property
+    def batch_size(self) -> int | None:
+        for t in (self.valid, self.document, self.span):
+            if t is not None:
+                return t.shape[0]
+        return None
+
+    def allows(self, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        """The rule itself: bool, broadcast over the batch index ``b``, query index ``q`` (0-based among
+        the queries) and key index ``k``. Works on index grids (dense) and on FlexAttention's 0-d
+        indices (``mask_mod``)."""
+        qpos = q + self.q_offset
+        ok = torch.ones((), dtype=torch.bool, device=q.device)
         if self.causal:
-            mask = mask & torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            seen = k <= qpos
+            if self.span is not None:
+                sq = self.span[b, qpos]
+                seen = seen | ((sq > 0) & (sq == self.span[b, k]))
+            ok = ok & seen
+        if self.window is not None:
+            ok = ok & (qpos - k < self.window)
+            if not self.causal:
+                ok = ok & (k - qpos < self.window)
         if self.valid is not None:
-            mask = mask & self.valid[:, None, None, :]  # (B, 1, 1, N) keys
+            ok = ok & self.valid[b, k]
         if self.document is not None:
-            mask = mask & (self.document[:, None, :, None] == self.document[:, None, None, :])
-        return mask
+            ok = ok & (self.document[b, qpos] == self.document[b, k])
+        return ok
+
+    def dense(self, n_q: int, n_k: int | None = None, device: torch.device | None = None) -> Tensor:
+        """The mask as a dense bool tensor ``(B or 1, 1, Nq, Nk)``, True = may attend."""
+        n_k = n_q if n_k is None else n_k
+        ref = next((t for t in (self.valid, self.document, self.span) if t is not None), None)
+        device = ref.device if ref is not None else device
+        B = self.batch_size or 1
+        b = torch.arange(B, device=device).view(B, 1, 1)
+        q = torch.arange(n_q, device=device).view(1, n_q, 1)
+        k = torch.arange(n_k, device=device).view(1, 1, n_k)
+        return self.allows(b, q, k).expand(B, n_q, n_k).unsqueeze(1)
+
+    def block_mask(self, batch_size: int, n_q: int, n_k: int, device: torch.device):
+        """The mask as a FlexAttention ``BlockMask`` (no dense ``Nq × Nk`` tensor is kept)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return self.allows(b, q_idx, kv_idx)
+
+        B = self.batch_size or batch_size
+        return create_block_mask(mask_mod, B, None, n_q, n_k, device=str(device))
 
 
 def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:

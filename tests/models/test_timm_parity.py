@@ -4,7 +4,7 @@ state dict is mapped onto it by prefixes alone — the names and the math are ti
 import pytest
 import torch
 
-from mmformer.models import Backbone, ClassifierHead, MultimodalModel
+from mmformer.models import ClassifierHead, MultimodalModel, build_backbone
 from mmformer.tokenizers import ViTPatchTokenizer
 
 TOKENIZER_KEYS = ("patch_embed.", "cls_token", "pos_embed")
@@ -44,7 +44,7 @@ def test_vit_matches_timm(pool):
     avg = pool == "avg"
     ours = MultimodalModel(
         {"image": ViTPatchTokenizer(48, 32, 8, 3)},
-        Backbone(48, 2, 3, final_norm=not avg),
+        build_backbone(48, 2, 3, final_norm=not avg),
         {"cls": ClassifierHead(48, 5, pool="mean" if avg else "cls", fc_norm=avg)},
     ).eval()
     missing, unexpected = ours.load_state_dict(timm_to_mmformer(ref.state_dict()), strict=True)

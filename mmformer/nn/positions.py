@@ -1,0 +1,134 @@
+"""Position encodings.
+
+* ``sinusoidal`` — fixed sin/cos features (Vaswani et al. 2017, arXiv:1706.03762 §3.5).
+* ``resample_pos_embed`` — learned absolute embeddings resampled to a new length or 2-D grid
+  (timm's ``resample_abs_pos_embed``: bicubic over the grid, prefix tokens kept).
+* ``RotaryEmbedding`` — RoPE (Su et al. 2021, arXiv:2104.09864) in the "rotate half" layout of
+  GPT-NeoX / HF Llama; 1-D, or axial over several axes (each axis rotates its own slice of the head,
+  as in 2-D RoPE for patch grids, Heo et al. 2024, arXiv:2403.13298). Angles are computed in float32
+  whatever the model dtype, so positions in the thousands stay exact in bf16 models.
+* ``alibi_slopes`` / ``alibi_bias`` — ALiBi (Press et al. 2022, arXiv:2108.12409 §3), slopes for any
+  head count as in the reference implementation (closest power of two, then interleaved extras).
+
+Shape legend: B batch, N tokens, P position axes, H heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def sinusoidal(positions: Tensor, dim: int, base: float = 10_000.0) -> Tensor:
+    """``positions (...)`` (any numeric dtype, may be fractional) → ``(..., dim)`` float32 features:
+    ``[sin(p·ω_0), …, sin(p·ω_{d/2-1}), cos(p·ω_0), …]`` with ``ω_i = base^(-2i/dim)``.
+
+    Raises ``ValueError`` for an odd ``dim``.
+    """
+    if dim % 2:
+        raise ValueError(f"sinusoidal features need an even dim, got {dim}")
+    freqs = base ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
+    angles = positions.float().unsqueeze(-1) * freqs  # (..., dim/2)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+def resample_pos_embed(
+    pos_embed: Tensor,
+    new_size: int | tuple[int, int],
+    num_prefix_tokens: int = 0,
+    old_size: int | tuple[int, int] | None = None,
+) -> Tensor:
+    """Resample learned absolute position embeddings ``(1, prefix + L, D)`` to a new length ``L'`` (int)
+    or a new 2-D grid ``(H', W')`` (tuple), keeping the prefix (class token) embeddings unchanged.
+
+    1-D: linear interpolation; 2-D: bicubic over the grid via timm's ``resample_abs_pos_embed`` (the
+    reference behaviour for ViT checkpoints). Raises ``ValueError`` when the old grid is not given and
+    the length is not a square.
+    """
+    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    if isinstance(new_size, int):  # 1-D sequence
+        out = (
+            nn.functional.interpolate(
+                grid.transpose(1, 2).float(), size=new_size, mode="linear", align_corners=False
+            )
+            .transpose(1, 2)
+            .to(pos_embed.dtype)
+        )
+        return torch.cat([prefix, out], dim=1)
+    if old_size is None:
+        side = math.isqrt(grid.shape[1])
+        if side * side != grid.shape[1]:
+            raise ValueError(f"cannot infer the grid of {grid.shape[1]} position embeddings; pass old_size")
+        old_size = (side, side)
+    from timm.layers import resample_abs_pos_embed  # lazily: importing timm imports wandb
+
+    return resample_abs_pos_embed(
+        pos_embed, list(new_size), list(old_size), num_prefix_tokens=num_prefix_tokens, verbose=False
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE angles for ``positions (B, N, P)``; ``apply`` rotates queries and keys.
+
+    Args:
+        head_dim: ``Dh``; each of the ``n_axes`` axes rotates ``Dh / n_axes`` channels (even).
+        base: frequency base θ (10,000 in the paper; Llama 3 uses 500,000).
+        n_axes: 1 for sequences; 2 for (row, column) patch grids; must equal ``P`` of the positions.
+
+    Raises ``ValueError`` when ``head_dim`` does not split into even per-axis slices.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10_000.0, n_axes: int = 1):
+        super().__init__()
+        if head_dim % (2 * n_axes):
+            raise ValueError(f"head_dim={head_dim} must be divisible by 2·n_axes={2 * n_axes} for RoPE")
+        self.head_dim, self.base, self.n_axes = head_dim, base, n_axes
+        axis_dim = head_dim // n_axes
+        inv_freq = base ** (-torch.arange(0, axis_dim, 2, dtype=torch.float32) / axis_dim)  # (axis_dim/2,)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``positions (B, N, P)`` → ``(cos, sin)``, each ``(B, 1, N, Dh)`` float32."""
+        if positions.shape[-1] < self.n_axes:
+            raise ValueError(
+                f"RoPE over {self.n_axes} axes needs positions (B, N, >= {self.n_axes}), "
+                f"got {tuple(positions.shape)}"
+            )
+        angles = [positions[..., a].float().unsqueeze(-1) * self.inv_freq.float() for a in range(self.n_axes)]
+        halves = torch.cat(angles, dim=-1)  # (B, N, Dh/2): axis 0's frequencies, then axis 1's, …
+        emb = torch.cat([halves, halves], dim=-1).unsqueeze(1)  # (B, 1, N, Dh), rotate-half layout
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate ``x (B, H, N, Dh)`` by the angles; computed in float32, returned in ``x.dtype``."""
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """ALiBi head slopes ``(H,)``: a geometric sequence ``2^(-8/n)·k`` for the closest power of two
+    ``n ≤ H``, then every other slope of the sequence for ``2n`` heads for the remaining heads
+    (Press et al., reference implementation ``get_slopes``)."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_two(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """Additive ALiBi bias ``-slope_h · |pos_q - pos_k|``: ``slopes (H,)``, ``q_pos (B, Nq)``,
+    ``k_pos (B, Nk)`` → ``(B, H, Nq, Nk)`` float32. (Causal models only ever see ``pos_q ≥ pos_k``.)"""
+    dist = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).abs().float()
+    return -slopes.view(1, -1, 1, 1).to(dist.device) * dist
