@@ -1,0 +1,73 @@
+"""Positions: RoPE's relative property and precision, ALiBi slopes, sinusoidal values, resampling."""
+
+import math
+
+import pytest
+import torch
+
+from mmformer.nn import RotaryEmbedding, alibi_slopes, resample_pos_embed, sinusoidal
+
+
+def _rope_scores(rope, q, k, pos_q, pos_k):
+    cq, sq = rope(torch.full((1, 1, rope.n_axes), pos_q))
+    ck, sk = rope(torch.full((1, 1, rope.n_axes), pos_k))
+    return (RotaryEmbedding.apply(q, cq, sq) * RotaryEmbedding.apply(k, ck, sk)).sum(-1)
+
+
+@pytest.mark.parametrize("axes", [1, 2])
+def test_rope_scores_depend_only_on_relative_position(axes):
+    rope = RotaryEmbedding(16, n_axes=axes)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    base = _rope_scores(rope, q, k, 7, 3)
+    for shift in (1, 100, 2000):
+        torch.testing.assert_close(_rope_scores(rope, q, k, 7 + shift, 3 + shift), base, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(_rope_scores(rope, q, k, 8, 3), base)
+
+
+def test_rope_2d_rotates_each_axis_in_its_own_channels():
+    rope = RotaryEmbedding(8, n_axes=2)
+    cos, sin = rope(torch.tensor([[[3, 0]]]))  # row 3, column 0
+    # channels of the column axis (second quarter of each half) see angle 0
+    assert torch.allclose(cos[0, 0, 0, 2:4], torch.ones(2)) and torch.allclose(
+        sin[0, 0, 0, 6:8], torch.zeros(2)
+    )
+    assert not torch.allclose(cos[0, 0, 0, 0:2], torch.ones(2))
+
+
+def test_rope_bf16_matches_float32_at_long_positions():
+    rope = RotaryEmbedding(64, base=10_000.0)
+    x = torch.randn(1, 2, 4, 64)
+    pos = torch.tensor([[[4093], [4094], [4095], [4096]]])
+    cos, sin = rope(pos)
+    ref = RotaryEmbedding.apply(x, cos, sin)
+    got = RotaryEmbedding.apply(x.bfloat16(), cos, sin).float()
+    assert cos.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.05  # bf16 rounding of the result only, not of the angles
+    naive = pos.bfloat16().float() * rope.inv_freq  # angles rounded to bf16 first would be far off
+    assert (naive - pos.float() * rope.inv_freq).abs().max() > 1
+
+
+def test_alibi_slopes_match_the_paper():
+    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
+    expected_12 = [2.0 ** -(i + 1) for i in range(8)] + [
+        2.0 ** -(i + 0.5) for i in (0, 1, 2, 3)
+    ]  # every other slope of the 16-head sequence
+    assert torch.allclose(alibi_slopes(12), torch.tensor(expected_12))
+    assert len(alibi_slopes(6)) == 6
+
+
+def test_sinusoidal_values():
+    f = sinusoidal(torch.tensor([0.0, 1.0]), 4, base=10_000.0)
+    assert torch.allclose(f[0], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    assert torch.allclose(f[1], torch.tensor([math.sin(1), math.sin(0.01), math.cos(1), math.cos(0.01)]))
+
+
+def test_resample_pos_embed():
+    pe = torch.randn(1, 1 + 16, 8)
+    same = resample_pos_embed(pe, (4, 4), num_prefix_tokens=1)
+    torch.testing.assert_close(same, pe, atol=1e-5, rtol=1e-5)
+    bigger = resample_pos_embed(pe, (6, 6), num_prefix_tokens=1)
+    assert bigger.shape == (1, 37, 8) and torch.equal(bigger[:, 0], pe[:, 0])
+    seq = torch.arange(4.0).view(1, 4, 1)
+    assert resample_pos_embed(seq, 4).flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert resample_pos_embed(seq, 8).shape == (1, 8, 1)
