@@ -152,3 +152,21 @@ def test_resume_with_a_changed_recipe_says_so_and_keeps_the_original(tiny_recipe
     assert "max_epochs: 1\n" in (run / "recipe.yaml").read_text()
     assert "max_epochs: 2\n" in (run / "recipe.resume-1.yaml").read_text()
     assert _run_dirs(workdir, "tiny") == [run]
+
+
+def test_backbone_variants_train_from_the_recipe(tiny_recipe, capsys):
+    overrides = [
+        "trainer.max_steps=2",
+        "model.backbone.positions=rope",
+        "model.backbone.rope_axes=2",
+        "model.backbone.norm=rmsnorm",
+        "model.backbone.act=swiglu",
+        "model.backbone.n_kv_heads=1",
+        "model.backbone.qk_norm=true",
+        "model.backbone.layer_scale=1e-5",
+        "model.backbone.drop_path=0.1",
+    ]
+    assert main(["train", str(tiny_recipe), *overrides]) == 0
+    assert "val/toy/acc" in capsys.readouterr().out
+    assert main(["train", str(tiny_recipe), "model.backbone.positions=rop"]) == 2
+    assert "Did you mean 'rope'?" in capsys.readouterr().err

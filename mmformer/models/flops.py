@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..nn.attention import Attention
 from .model import MultimodalModel
 
 
@@ -19,8 +20,10 @@ def count_flops(model: MultimodalModel, inputs: Tensor, tokenizer: str, head: st
 
     Returns ``{"forward": int, "train": int}``; ``train`` counts forward + backward of a scalar loss.
     """
-    kernels = [b.attn.kernel for b in model.backbone.blocks]
-    model.backbone.set_attn_kernel("eager")
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    kernels = [a.kernel for a in attns]
+    for a in attns:
+        a.kernel = "eager"
     try:
         with FlopCounterMode(display=False) as fwd:
             with torch.no_grad():
@@ -29,6 +32,6 @@ def count_flops(model: MultimodalModel, inputs: Tensor, tokenizer: str, head: st
             model(inputs, tokenizer, head).float().sum().backward()
         model.zero_grad(set_to_none=True)
     finally:
-        for block, k in zip(model.backbone.blocks, kernels):
-            block.attn.kernel = k
+        for a, k in zip(attns, kernels):
+            a.kernel = k
     return {"forward": fwd.get_total_flops(), "train": train.get_total_flops()}

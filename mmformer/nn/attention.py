@@ -225,8 +225,9 @@ class Attention(nn.Module):
         """``x (B, Nq, D)`` → ``(B, Nq, D)``.
 
         ``inputs``: mask, RoPE angles and ALiBi for this forward (or just a ``MaskSpec``).
-        ``context (B, Nk, D_ctx)``: the cross-attention source. ``cache``: append this forward's keys/values to ``layer``'s cache and
-        attend over all of them (self-attention only).
+        ``context (B, Nk, D_ctx)``: the cross-attention source.
+        ``cache``: append this forward's keys/values to ``layer``'s cache and attend over all of them
+        (self-attention only).
         """
         if inputs is None or isinstance(inputs, MaskSpec):  # a bare mask is enough for most uses
             inputs = AttentionInputs(mask=inputs or MaskSpec())

@@ -126,4 +126,16 @@ def test_every_family_runs_forward_backward_without_nan(family):
 @pytest.mark.parametrize("name", [n for n in PRESETS if n != "debug"])
 def test_presets_have_standard_shapes(name):
     size = PRESETS[name]
-    assert size["d_model"] % size["n_heads"] == 0 and size["d_model"] // size["n_heads"] == 64
+    assert size["d_model"] % size["n_heads"] == 0
+    assert size["d_model"] // size["n_heads"] == (80 if name == "huge" else 64)
+
+
+def test_rope_model_in_bf16_matches_float32_at_positions_in_the_thousands():
+    torch.manual_seed(0)
+    model = build_backbone(64, 2, 2, causal=True, positions="rope", norm="rmsnorm", act="swiglu").eval()
+    x = torch.randn(1, 16, 64)
+    pos = (4080 + torch.arange(16)).view(1, 16, 1)
+    with torch.no_grad():
+        ref = model(Tokens.from_embeddings(x, 0, positions=pos))
+        low = model.to(torch.bfloat16)(Tokens.from_embeddings(x.bfloat16(), 0, positions=pos)).float()
+    assert (low - ref).norm() / ref.norm() < 2e-2
