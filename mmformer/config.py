@@ -54,7 +54,7 @@ class BackboneConfig:
     causal: bool = False
     positions: str = "none"  # none (tokenizers add absolute ones) | rope | alibi
     rope_base: float = 10_000.0
-    rope_axes: int = 1  # 2 = axial 2-D RoPE over (row, column) of patch grids
+    rope_axes: int = 1  # 2 = multimodal RoPE over (row, column) of patch grids (Qwen2-VL sections)
     window: Optional[int] = None  # sliding-window attention, in tokens
     d_cond: Optional[int] = None  # adaln: conditioning width (default d_model)
     final_norm: bool = True
@@ -94,11 +94,8 @@ class BackboneConfig:
                 close = difflib.get_close_matches(str(getattr(self, name)), allowed, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise ValueError(f"{name}={getattr(self, name)!r}.{hint} Choose from {', '.join(allowed)}")
-        if self.positions == "rope" and self.head_dim % (2 * self.rope_axes):
-            raise ValueError(
-                f"RoPE over {self.rope_axes} axes needs head_dim ({self.head_dim}) divisible by "
-                f"{2 * self.rope_axes}"
-            )
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
         _positive(self, "window", "mlp_hidden", "d_cond", "rope_axes")
 
     @property

@@ -79,8 +79,7 @@ class Backbone(nn.Module):
         self.causal, self.positions, self.window = causal, positions, window
         self.bidirectional_modalities = tuple(bidirectional_modalities)
         self.rope = RotaryEmbedding(attn.head_dim, rope_base, rope_axes) if positions == "rope" else None
-        slopes = alibi_slopes(attn.n_heads) if positions == "alibi" else None
-        self.register_buffer("alibi_slopes", slopes, persistent=False)
+        # ALiBi slopes are made per forward in float32 (a buffer would be rounded by .to(bfloat16)).
 
     def init_weights(self) -> None:
         """timm ViT init: trunc-normal(0.02) linear weights, zero biases, unit norms; blocks with their
@@ -126,6 +125,12 @@ class Backbone(nn.Module):
         valid, document, positions = tokens.valid, tokens.document, tokens.positions
         if span is None:
             span = modality_spans(tokens.modality, self.bidirectional_modalities)
+        if past and span is not None and cache.span_open is not None:
+            if bool((cache.span_open & (span[:, 0] > 0)).any()):
+                raise ValueError(
+                    "a bidirectional span (prefix-LM prefix, image or audio) must be prefilled in one "
+                    "chunk: this chunk starts inside a span that the cache already ends with"
+                )
         if past:
             valid = torch.cat([cache.valid, valid], dim=1)
             document = torch.cat([cache.document, document], dim=1)
@@ -136,7 +141,9 @@ class Backbone(nn.Module):
         inputs = AttentionInputs(
             mask=mask,
             rope=self.rope(tokens.positions) if self.rope is not None else None,
-            alibi_slopes=self.alibi_slopes,
+            alibi_slopes=alibi_slopes(self.n_heads).to(tokens.x.device)
+            if self.positions == "alibi"
+            else None,
             q_pos=tokens.positions[..., 0],
             k_pos=positions[..., 0],
         )
@@ -149,6 +156,7 @@ class Backbone(nn.Module):
             x = block(x, inputs, context=ctx, cond=cond, cache=cache, layer=i)
         if cache is not None:
             cache.extend(tokens.valid, tokens.document, tokens.positions)
+            cache.span_open = span[:, -1] > 0 if span is not None else torch.zeros_like(tokens.valid[:, -1])
         return self.norm(x)
 
 

@@ -59,6 +59,7 @@ class AttentionInputs:
     alibi_slopes: Tensor | None = None
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
+    block_mask: object | None = None  # FlexAttention BlockMask, built once per forward by the first layer
 
 
 class KVCache:
@@ -74,6 +75,9 @@ class KVCache:
         self.valid: Tensor | None = None  # (B, Nk) bool
         self.document: Tensor | None = None  # (B, Nk) long
         self.positions: Tensor | None = None  # (B, Nk, P) long
+        self.span_open: Tensor | None = (
+            None  # (B,) bool: the last cached token is inside a bidirectional span
+        )
 
     @property
     def length(self) -> int:
@@ -254,7 +258,10 @@ class Attention(nn.Module):
         m = inputs.mask
         needs_dense = m.document is not None or m.span is not None or m.window is not None
         needs_dense = needs_dense or inputs.alibi_slopes is not None
-        if q.device.type == "cuda" and needs_dense and self.attn_drop == 0.0:
+        decoding = (
+            m.q_offset > 0
+        )  # shapes change every step: a compiled flex kernel would recompile each time
+        if q.device.type == "cuda" and needs_dense and self.attn_drop == 0.0 and not decoding:
             return "flex"
         return "sdpa"
 
@@ -268,9 +275,9 @@ class Attention(nn.Module):
         if kernel == "flex":
             if dropout_p > 0.0:
                 raise ValueError("the flex kernel has no attention dropout; use sdpa or eager")
-            return flex_attention(
-                q, k, v, mask.block_mask(q.shape[0], Nq, Nk, q.device), self._score_mod(inputs)
-            )
+            if inputs.block_mask is None:  # built once, shared by every layer of this forward
+                inputs.block_mask = mask.block_mask(q.shape[0], Nq, Nk, q.device)
+            return flex_attention(q, k, v, inputs.block_mask, self._score_mod(inputs))
         bias = self._alibi(inputs)
         fast_causal = mask.is_causal_only and Nq == Nk and bias is None
         dense = None if (mask.is_full or fast_causal) else mask.dense(Nq, Nk, q.device)
@@ -309,7 +316,7 @@ class Attention(nn.Module):
     def _score_mod(self, inputs: AttentionInputs):
         if inputs.alibi_slopes is None:
             return None
-        slopes, qp, kp = inputs.alibi_slopes.to(inputs.q_pos.device), inputs.q_pos, inputs.k_pos
+        slopes, qp, kp = inputs.alibi_slopes.float().to(inputs.q_pos.device), inputs.q_pos, inputs.k_pos
 
         def alibi(score, b, h, q_idx, kv_idx):
             return score - slopes[h] * (qp[b, q_idx] - kp[b, kv_idx]).abs()

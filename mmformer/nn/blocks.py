@@ -122,7 +122,8 @@ class PostNormBlock(Block):
 
 class CrossAttentionBlock(Block):
     """Pre-norm decoder block: self-attention, then cross-attention to ``context (B, M, D_ctx)``
-    (masked by ``context_inputs``, built by the backbone from the context's ``valid``), then the MLP.
+    (masked by ``inputs.context_mask``, which the backbone builds from the context's ``valid``), then
+    the MLP.
 
     Args (beyond ``Block``'s): ``cross_attn``: an ``Attention(cross=True)``.
     """
@@ -151,11 +152,10 @@ class CrossAttentionBlock(Block):
         cond: Tensor | None = None,
         cache: KVCache | None = None,
         layer: int = 0,
-        context_inputs: AttentionInputs | None = None,
     ) -> Tensor:
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), inputs, cache=cache, layer=layer)))
         x = x + self.drop_path_cross(
-            self.ls_cross(self.cross_attn(self.norm_cross(x), context_inputs, context=context))
+            self.ls_cross(self.cross_attn(self.norm_cross(x), inputs, context=context))
         )
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x

@@ -139,7 +139,10 @@ class MaskSpec:
             return self.allows(b, q_idx, kv_idx)
 
         B = self.batch_size or batch_size
-        return create_block_mask(mask_mod, B, None, n_q, n_k, device=str(device))
+        # compiled construction on accelerators avoids materialising the dense Nq × Nk mask
+        return create_block_mask(
+            mask_mod, B, None, n_q, n_k, device=str(device), _compile=device.type == "cuda"
+        )
 
 
 def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:

@@ -4,9 +4,9 @@
 * ``resample_pos_embed`` — learned absolute embeddings resampled to a new length or 2-D grid
   (timm's ``resample_abs_pos_embed``: bicubic over the grid, prefix tokens kept).
 * ``RotaryEmbedding`` — RoPE (Su et al. 2021, arXiv:2104.09864) in the "rotate half" layout of
-  GPT-NeoX / HF Llama; 1-D, or axial over several axes (each axis rotates its own slice of the head,
-  as in 2-D RoPE for patch grids, Heo et al. 2024, arXiv:2403.13298). Angles are computed in float32
-  whatever the model dtype, so positions in the thousands stay exact in bf16 models.
+  GPT-NeoX / HF Llama; 1-D, or multimodal over several position axes (Qwen2-VL's M-RoPE: the
+  frequencies are split into one section per axis; (row, column) for patch grids). Angles are
+  computed in float32 whatever the model dtype, so positions in the thousands stay exact in bf16.
 * ``alibi_slopes`` / ``alibi_bias`` — ALiBi (Press et al. 2022, arXiv:2108.12409 §3), slopes for any
   head count as in the reference implementation (closest power of two, then interleaved extras).
 
@@ -72,22 +72,42 @@ def resample_pos_embed(
 class RotaryEmbedding(nn.Module):
     """RoPE angles for ``positions (B, N, P)``; ``apply`` rotates queries and keys.
 
-    Args:
-        head_dim: ``Dh``; each of the ``n_axes`` axes rotates ``Dh / n_axes`` channels (even).
-        base: frequency base θ (10,000 in the paper; Llama 3 uses 500,000).
-        n_axes: 1 for sequences; 2 for (row, column) patch grids; must equal ``P`` of the positions.
+    Frequencies ``θ^(-2i/Dh)`` span the whole head; with several axes they are split into contiguous
+    sections and section ``a`` rotates by position axis ``a`` (Qwen2-VL's multimodal RoPE, arXiv:2409.12191
+    §2.1). A token whose 1-D index is repeated on every axis (text) therefore gets exactly 1-D RoPE, and
+    Llama-style weights keep working when image grids join the sequence.
 
-    Raises ``ValueError`` when ``head_dim`` does not split into even per-axis slices.
+    Args:
+        head_dim: ``Dh`` (even).
+        base: frequency base θ (10,000 in the paper; Llama 3 uses 500,000).
+        n_axes: 1 for sequences; 2 for (row, column) patch grids; at most ``P`` of the positions.
+        sections: frequencies per axis (sum ``Dh / 2``); default: as equal as possible, earlier axes
+            taking the remainder.
+
+    Raises ``ValueError`` for an odd ``head_dim`` or sections that do not sum to ``Dh / 2``.
+    The angles are always computed in float32 (no buffer a ``.to(bfloat16)`` could round).
     """
 
-    def __init__(self, head_dim: int, base: float = 10_000.0, n_axes: int = 1):
+    def __init__(
+        self, head_dim: int, base: float = 10_000.0, n_axes: int = 1, sections: list[int] | None = None
+    ):
         super().__init__()
-        if head_dim % (2 * n_axes):
-            raise ValueError(f"head_dim={head_dim} must be divisible by 2·n_axes={2 * n_axes} for RoPE")
-        self.head_dim, self.base, self.n_axes = head_dim, base, n_axes
-        axis_dim = head_dim // n_axes
-        inv_freq = base ** (-torch.arange(0, axis_dim, 2, dtype=torch.float32) / axis_dim)  # (axis_dim/2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        half = head_dim // 2
+        if sections is None:
+            sections = [half // n_axes + (1 if a < half % n_axes else 0) for a in range(n_axes)]
+        if len(sections) != n_axes or sum(sections) != half:
+            raise ValueError(
+                f"RoPE sections {sections} must be {n_axes} numbers summing to head_dim/2 = {half}"
+            )
+        self.head_dim, self.base, self.n_axes, self.sections = head_dim, base, n_axes, list(sections)
+
+    def inv_freq(self, device=None) -> Tensor:
+        """``(Dh/2,)`` float32 frequencies ``θ^(-2i/Dh)``."""
+        return self.base ** (
+            -torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        )
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``positions (B, N, P)`` → ``(cos, sin)``, each ``(B, 1, N, Dh)`` float32."""
@@ -96,9 +116,13 @@ class RotaryEmbedding(nn.Module):
                 f"RoPE over {self.n_axes} axes needs positions (B, N, >= {self.n_axes}), "
                 f"got {tuple(positions.shape)}"
             )
-        angles = [positions[..., a].float().unsqueeze(-1) * self.inv_freq.float() for a in range(self.n_axes)]
-        halves = torch.cat(angles, dim=-1)  # (B, N, Dh/2): axis 0's frequencies, then axis 1's, …
-        emb = torch.cat([halves, halves], dim=-1).unsqueeze(1)  # (B, 1, N, Dh), rotate-half layout
+        axis = torch.repeat_interleave(
+            torch.arange(self.n_axes, device=positions.device),
+            torch.tensor(self.sections, device=positions.device),
+        )  # (Dh/2,)
+        pos = positions.float().index_select(-1, axis)  # (B, N, Dh/2): each frequency's axis position
+        half = pos * self.inv_freq(positions.device)
+        emb = torch.cat([half, half], dim=-1).unsqueeze(1)  # (B, 1, N, Dh), rotate-half layout
         return emb.cos(), emb.sin()
 
     @staticmethod
@@ -131,4 +155,4 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """Additive ALiBi bias ``-slope_h · |pos_q - pos_k|``: ``slopes (H,)``, ``q_pos (B, Nq)``,
     ``k_pos (B, Nk)`` → ``(B, H, Nq, Nk)`` float32. (Causal models only ever see ``pos_q ≥ pos_k``.)"""
     dist = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).abs().float()
-    return -slopes.view(1, -1, 1, 1).to(dist.device) * dist
+    return -slopes.float().view(1, -1, 1, 1).to(dist.device) * dist

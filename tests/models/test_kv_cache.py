@@ -91,3 +91,38 @@ def test_left_padding_changes_nothing_for_real_tokens():
             n = int(valid[i].sum())
             alone = model(ids[i : i + 1, 7 - n :], valid[i : i + 1, 7 - n :])
             torch.testing.assert_close(batched[i : i + 1, 7 - n :], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_a_span_split_across_prefill_chunks_is_refused():
+    from mmformer.nn import MODALITY_IDS
+
+    backbone = build_backbone(D, 1, 4, causal=True, bidirectional_modalities=(MODALITY_IDS["image"],)).eval()
+    x = torch.randn(1, 6, D)
+    image = Tokens.from_embeddings(x, MODALITY_IDS["image"])
+    cache = KVCache()
+    with torch.no_grad():
+        backbone(Tokens.from_embeddings(x[:, :3], MODALITY_IDS["image"]), cache=cache)
+        second = Tokens.from_embeddings(x[:, 3:], MODALITY_IDS["image"], positions=image.positions[:, 3:])
+        with pytest.raises(ValueError, match="must be prefilled in one chunk"):
+            backbone(second, cache=cache)
+
+
+def test_prefix_in_one_chunk_then_cached_decoding_equals_full_forward():
+    from mmformer.nn import MODALITY_IDS, cat_tokens
+
+    backbone = build_backbone(
+        D, 2, 4, causal=True, positions="rope", bidirectional_modalities=(MODALITY_IDS["image"],)
+    ).eval()
+    img, txt = torch.randn(1, 4, D), torch.randn(1, 3, D)
+    image = Tokens.from_embeddings(img, MODALITY_IDS["image"])
+    text = Tokens.from_embeddings(txt, MODALITY_IDS["text"], positions=torch.arange(4, 7).view(1, 3, 1))
+    with torch.no_grad():
+        full = backbone(cat_tokens([image, text]))
+        cache = KVCache()
+        parts = [backbone(image, cache=cache)]
+        for i in range(3):
+            step = Tokens.from_embeddings(
+                txt[:, i : i + 1], MODALITY_IDS["text"], positions=torch.tensor([[[4 + i]]])
+            )
+            parts.append(backbone(step, cache=cache))
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)

@@ -139,3 +139,19 @@ def test_rope_model_in_bf16_matches_float32_at_positions_in_the_thousands():
         ref = model(Tokens.from_embeddings(x, 0, positions=pos))
         low = model.to(torch.bfloat16)(Tokens.from_embeddings(x.bfloat16(), 0, positions=pos)).float()
     assert (low - ref).norm() / ref.norm() < 2e-2
+
+
+def test_decoder_backbone_never_reads_padded_context():
+    torch.manual_seed(0)
+    backbone = build_backbone(D, 2, 2, causal=True, block="cross").eval()
+    x = Tokens.from_embeddings(torch.randn(2, 4, D), 0)
+    ctx_x = torch.randn(2, 5, D)
+    valid = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    poisoned = ctx_x.clone()
+    poisoned[1, 3:] = 1e3
+    with torch.no_grad():
+        clean = backbone(x, context=Tokens.from_embeddings(ctx_x, 2, valid=valid))
+        dirty = backbone(x, context=Tokens.from_embeddings(poisoned, 2, valid=valid))
+        cut = backbone(Tokens.from_embeddings(x.x[1:], 0), context=Tokens.from_embeddings(ctx_x[1:, :3], 2))
+    torch.testing.assert_close(dirty, clean)
+    torch.testing.assert_close(clean[1:], cut, atol=1e-5, rtol=1e-5)

@@ -24,27 +24,48 @@ def test_rope_scores_depend_only_on_relative_position(axes):
     assert not torch.allclose(_rope_scores(rope, q, k, 8, 3), base)
 
 
-def test_rope_2d_rotates_each_axis_in_its_own_channels():
-    rope = RotaryEmbedding(8, n_axes=2)
-    cos, sin = rope(torch.tensor([[[3, 0]]]))  # row 3, column 0
-    # channels of the column axis (second quarter of each half) see angle 0
-    assert torch.allclose(cos[0, 0, 0, 2:4], torch.ones(2)) and torch.allclose(
-        sin[0, 0, 0, 6:8], torch.zeros(2)
-    )
-    assert not torch.allclose(cos[0, 0, 0, 0:2], torch.ones(2))
+def test_multi_axis_rope_reduces_to_1d_when_the_index_repeats():
+    one, two = RotaryEmbedding(16), RotaryEmbedding(16, n_axes=2)
+    pos = torch.arange(7).view(1, 7, 1)
+    for a, b in zip(one(pos), two(pos.expand(1, 7, 2))):  # text tokens: the same index on every axis
+        assert torch.equal(a, b)
+
+
+def test_rope_2d_sections_follow_their_axis():
+    rope = RotaryEmbedding(8, n_axes=2)  # 4 frequencies: 2 for rows, 2 for columns
+    cos_a, _ = rope(torch.tensor([[[3, 0]]]))
+    cos_b, _ = rope(torch.tensor([[[3, 5]]]))
+    cos_c, _ = rope(torch.tensor([[[1, 0]]]))
+    row, col = [0, 1, 4, 5], [2, 3, 6, 7]  # rotate-half layout repeats the 4 frequencies
+    assert torch.equal(cos_a[..., row], cos_b[..., row]) and not torch.equal(cos_a[..., col], cos_b[..., col])
+    assert torch.equal(cos_a[..., col], cos_c[..., col]) and not torch.equal(cos_a[..., row], cos_c[..., row])
+    with pytest.raises(ValueError, match="sections"):
+        RotaryEmbedding(8, n_axes=2, sections=[3, 3])
+
+
+def test_rope_matches_the_reference_formula():
+    rope = RotaryEmbedding(4, base=100.0)
+    cos, sin = rope(torch.tensor([[[2]]]))
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
+    # pairs (x0, x2) and (x1, x3) rotate by 2·θ_i with θ = 100^(-0/4), 100^(-2/4)
+    a0, a1 = 2 * 1.0, 2 * 0.1
+    expected = [
+        1 * math.cos(a0) - 3 * math.sin(a0),
+        2 * math.cos(a1) - 4 * math.sin(a1),
+        3 * math.cos(a0) + 1 * math.sin(a0),
+        4 * math.cos(a1) + 2 * math.sin(a1),
+    ]
+    torch.testing.assert_close(RotaryEmbedding.apply(x, cos, sin).flatten(), torch.tensor(expected))
 
 
 def test_rope_bf16_matches_float32_at_long_positions():
     rope = RotaryEmbedding(64, base=10_000.0)
     x = torch.randn(1, 2, 4, 64)
-    pos = torch.tensor([[[4093], [4094], [4095], [4096]]])
-    cos, sin = rope(pos)
+    cos, sin = rope(torch.tensor([[[4093], [4094], [4095], [4096]]]))
+    assert cos.dtype == torch.float32 and rope.to(torch.bfloat16).inv_freq().dtype == torch.float32
     ref = RotaryEmbedding.apply(x, cos, sin)
     got = RotaryEmbedding.apply(x.bfloat16(), cos, sin).float()
-    assert cos.dtype == torch.float32
-    assert (got - ref).abs().max() < 0.05  # bf16 rounding of the result only, not of the angles
-    naive = pos.bfloat16().float() * rope.inv_freq  # angles rounded to bf16 first would be far off
-    assert (naive - pos.float() * rope.inv_freq).abs().max() > 1
+    assert (got - ref).abs().max() < 0.05  # only the result is rounded to bf16, never the angles
 
 
 def test_alibi_slopes_match_the_paper():
