@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..nn.tokens import Tokens
 from .image import ImagePreprocess, PatchEmbed, ViTPatchTokenizer
+from .text import SPECIAL_TOKENS, TextEmbedding, TextTokenizer
 
 
 @runtime_checkable
@@ -19,4 +20,7 @@ class Tokenizer(Protocol):
     def __call__(self, inputs: Tensor) -> Tokens: ...
 
 
-__all__ = ["Tokenizer", "ImagePreprocess", "PatchEmbed", "ViTPatchTokenizer"]
+__all__ = [
+    "Tokenizer", "ImagePreprocess", "PatchEmbed", "ViTPatchTokenizer", "SPECIAL_TOKENS", "TextEmbedding",
+    "TextTokenizer",
+]

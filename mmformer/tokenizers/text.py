@@ -1,0 +1,180 @@
+"""Text tokenizer: byte-level BPE (Radford et al. 2019, GPT-2 §2.2; Sennrich et al. 2016) with HF
+``tokenizers``.
+
+Two halves (DESIGN.md):
+  * data side — ``TextTokenizer``: trains a byte-level BPE on a corpus or loads a ``tokenizer.json``;
+    encodes strings to ids and decodes them back losslessly (``decode(encode(s)) == s`` for any
+    Unicode string: bytes are the base alphabet, nothing is normalised, no prefix space is added).
+    Special tokens — ``bos``, ``eos``, ``pad`` and the modality placeholders ``<image>``, ``<audio>`` —
+    are single ids, also when they appear inside text. ``pad`` is always its own id, never ``eos``,
+    so a loss mask built from ``pad`` never hides a real end of text (a distinct ``<pad>`` is added to
+    a user's tokenizer that has none or reuses ``eos``).
+  * model side — ``TextEmbedding``: ids ``(B, N)`` → ``Tokens`` (token embedding, optional learned
+    absolute positions as GPT-2's ``wpe``), with positions counted from each row's first real token.
+
+Shape legend: B batch, N tokens, D model width, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.tokens import MODALITY_IDS, Tokens
+
+SPECIAL_TOKENS = {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>", "image": "<image>", "audio": "<audio>"}
+
+
+class TextTokenizer:
+    """Byte-level BPE tokenizer with the special tokens mmformer relies on.
+
+    Build one with ``TextTokenizer.train(texts, vocab_size)`` or ``TextTokenizer.from_file(path)``.
+    Attributes ``bos_id``, ``eos_id``, ``pad_id``, ``image_id``, ``audio_id`` and ``vocab_size``.
+    """
+
+    def __init__(self, tokenizer, special: dict[str, str] | None = None):
+        self.tokenizer = tokenizer
+        self.special = {**SPECIAL_TOKENS, **(special or {})}
+        missing = [t for t in self.special.values() if tokenizer.token_to_id(t) is None]
+        if missing:
+            from tokenizers import AddedToken
+
+            tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        if self.special.get("pad") in (None, self.special.get("eos")):  # pad must never be eos
+            self.special["pad"] = SPECIAL_TOKENS["pad"]
+            if tokenizer.token_to_id(self.special["pad"]) is None:
+                from tokenizers import AddedToken
+
+                tokenizer.add_special_tokens([AddedToken(self.special["pad"], special=True, normalized=False)])
+        for name, token in self.special.items():
+            setattr(self, f"{name}_id", tokenizer.token_to_id(token))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> TextTokenizer:
+        """Train a byte-level BPE on ``texts`` (an iterable of documents or lines).
+
+        ``vocab_size`` counts the 256 byte symbols and the special tokens. Raises ``ValueError`` when it
+        is too small to hold them.
+        """
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ValueError(f"vocab_size={vocab_size} cannot hold 256 bytes and {len(SPECIAL_TOKENS)} specials")
+        tok = Tokenizer(models.BPE())
+        # GPT-2 pre-tokenisation on bytes; no prefix space, so encoding adds nothing to the text
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=list(SPECIAL_TOKENS.values()),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_as_iterator(texts), trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, path: str | Path, special: dict[str, str] | None = None) -> TextTokenizer:
+        """Load a ``tokenizer.json`` (ours, or a user's byte-level BPE with its own special tokens:
+        pass ``special={"bos": "<s>", "eos": "</s>", …}``). Raises ``FileNotFoundError``."""
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
+        return cls(Tokenizer.from_file(str(path)), special)
+
+    def save(self, path: str | Path) -> None:
+        self.tokenizer.save(str(path))
+
+    def to_json(self) -> str:
+        """The whole tokenizer as JSON text (stored in checkpoints, so they stand alone)."""
+        return self.tokenizer.to_str()
+
+    @classmethod
+    def from_json(cls, text: str, special: dict[str, str] | None = None) -> TextTokenizer:
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(text), special)
+
+    # ------------------------------------------------------------------ use
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """``text`` → ids; special-token strings inside ``text`` become their single ids."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_batch(self, texts: list[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        out = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [([self.bos_id] if bos else []) + e.ids + ([self.eos_id] if eos else []) for e in out]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """ids → text; with ``skip_special`` the bos / eos / pad / placeholder tokens are dropped."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    def pad_batch(self, seqs: list[list[int]], side: str = "right") -> tuple[Tensor, Tensor]:
+        """Pad to the longest sequence: ``ids (B, N)`` long and ``valid (B, N)`` bool (True = real).
+        ``side="left"`` for prompts to continue (generation)."""
+        n = max((len(s) for s in seqs), default=0)
+        ids = torch.full((len(seqs), n), self.pad_id, dtype=torch.long)
+        valid = torch.zeros(len(seqs), n, dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            sl = slice(n - len(s), n) if side == "left" else slice(0, len(s))
+            ids[i, sl] = torch.tensor(s, dtype=torch.long)
+            valid[i, sl] = True
+        return ids, valid
+
+
+def _as_iterator(texts: Iterable[str]) -> Iterator[str]:
+    yield from texts
+
+
+class TextEmbedding(nn.Module):
+    """Token ids → Tokens: ``embed`` lookup, plus learned absolute positions ``pos_embed`` when
+    ``max_len`` is given (GPT-2's ``wpe``; leave it None for RoPE / ALiBi models).
+
+    Args:
+        vocab_size: ``V``; d_model: ``D``; max_len: longest position with a learned embedding.
+        n_pos_axes: position axes ``P`` of the model (the 1-D index is repeated on each).
+
+    ``forward(ids (B, N) long, valid (B, N) bool | None) → Tokens``; positions count from each row's
+    first real token (left padding keeps positions). Raises ``ValueError`` beyond ``max_len``.
+    """
+
+    modality = "text"
+    num_prefix_tokens = 0
+
+    def __init__(self, vocab_size: int, d_model: int, max_len: int | None = None, n_pos_axes: int = 1):
+        super().__init__()
+        self.vocab_size, self.max_len, self.n_pos_axes = vocab_size, max_len, n_pos_axes
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos_embed = nn.Embedding(max_len, d_model) if max_len else None
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2 init: normal(0.02) token and position embeddings."""
+        nn.init.normal_(self.embed.weight, std=0.02)
+        if self.pos_embed is not None:
+            nn.init.normal_(self.pos_embed.weight, std=0.02)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed.weight"}
+
+    def forward(self, ids: Tensor, valid: Tensor | None = None, positions: Tensor | None = None) -> Tokens:
+        x = self.embed(ids)  # (B, N, D)
+        tokens = Tokens.from_embeddings(x, MODALITY_IDS["text"], valid=valid, positions=positions,
+                                        n_pos_axes=self.n_pos_axes)
+        if self.pos_embed is not None:
+            pos = tokens.positions[..., 0]
+            if int(pos.max()) >= self.max_len:
+                raise ValueError(f"position {int(pos.max())} is beyond max_len={self.max_len} of the text embedding")
+            tokens.x = x + self.pos_embed(pos)
+        return tokens
