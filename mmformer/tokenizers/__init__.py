@@ -21,6 +21,11 @@ class Tokenizer(Protocol):
 
 
 __all__ = [
-    "Tokenizer", "ImagePreprocess", "PatchEmbed", "ViTPatchTokenizer", "SPECIAL_TOKENS", "TextEmbedding",
+    "Tokenizer",
+    "ImagePreprocess",
+    "PatchEmbed",
+    "ViTPatchTokenizer",
+    "SPECIAL_TOKENS",
+    "TextEmbedding",
     "TextTokenizer",
 ]

@@ -25,7 +25,13 @@ from torch import Tensor, nn
 
 from ..nn.tokens import MODALITY_IDS, Tokens
 
-SPECIAL_TOKENS = {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>", "image": "<image>", "audio": "<audio>"}
+SPECIAL_TOKENS = {
+    "bos": "<|bos|>",
+    "eos": "<|eos|>",
+    "pad": "<|pad|>",
+    "image": "<image>",
+    "audio": "<audio>",
+}
 
 
 class TextTokenizer:
@@ -48,7 +54,9 @@ class TextTokenizer:
             if tokenizer.token_to_id(self.special["pad"]) is None:
                 from tokenizers import AddedToken
 
-                tokenizer.add_special_tokens([AddedToken(self.special["pad"], special=True, normalized=False)])
+                tokenizer.add_special_tokens(
+                    [AddedToken(self.special["pad"], special=True, normalized=False)]
+                )
         for name, token in self.special.items():
             setattr(self, f"{name}_id", tokenizer.token_to_id(token))
 
@@ -63,7 +71,9 @@ class TextTokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         if vocab_size < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(f"vocab_size={vocab_size} cannot hold 256 bytes and {len(SPECIAL_TOKENS)} specials")
+            raise ValueError(
+                f"vocab_size={vocab_size} cannot hold 256 bytes and {len(SPECIAL_TOKENS)} specials"
+            )
         tok = Tokenizer(models.BPE())
         # GPT-2 pre-tokenisation on bytes; no prefix space, so encoding adds nothing to the text
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -170,11 +180,14 @@ class TextEmbedding(nn.Module):
 
     def forward(self, ids: Tensor, valid: Tensor | None = None, positions: Tensor | None = None) -> Tokens:
         x = self.embed(ids)  # (B, N, D)
-        tokens = Tokens.from_embeddings(x, MODALITY_IDS["text"], valid=valid, positions=positions,
-                                        n_pos_axes=self.n_pos_axes)
+        tokens = Tokens.from_embeddings(
+            x, MODALITY_IDS["text"], valid=valid, positions=positions, n_pos_axes=self.n_pos_axes
+        )
         if self.pos_embed is not None:
             pos = tokens.positions[..., 0]
             if int(pos.max()) >= self.max_len:
-                raise ValueError(f"position {int(pos.max())} is beyond max_len={self.max_len} of the text embedding")
+                raise ValueError(
+                    f"position {int(pos.max())} is beyond max_len={self.max_len} of the text embedding"
+                )
             tokens.x = x + self.pos_embed(pos)
         return tokens

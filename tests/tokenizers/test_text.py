@@ -18,21 +18,24 @@ def tok():
     return TextTokenizer.train(CORPUS, vocab_size=400, min_frequency=2)
 
 
-@pytest.mark.parametrize("text", [
-    "",
-    " ",
-    "a  b   c    d",
-    "          ten spaces",
-    "trailing spaces   ",
-    "tabs\tand\t\tnewlines\n\n\nend\r\n",
-    "emoji 😀🙏🏽👩‍👩‍👧 and flags 🇫🇷",
-    "中文字符和日本語のテキスト",
-    "accents: café naïve Ångström Ωmega",
-    "mixed <image> placeholders <audio> in text",
-    "<image><image>",
-    "unknown-to-training bytes: \x00\x01 \u200b zero width",
-    "Let there be light",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        " ",
+        "a  b   c    d",
+        "          ten spaces",
+        "trailing spaces   ",
+        "tabs\tand\t\tnewlines\n\n\nend\r\n",
+        "emoji 😀🙏🏽👩‍👩‍👧 and flags 🇫🇷",
+        "中文字符和日本語のテキスト",
+        "accents: café naïve Ångström Ωmega",
+        "mixed <image> placeholders <audio> in text",
+        "<image><image>",
+        "unknown-to-training bytes: \x00\x01 \u200b zero width",
+        "Let there be light",
+    ],
+)
 def test_decode_encode_is_lossless(tok, text):
     assert tok.decode(tok.encode(text)) == text
 
@@ -70,7 +73,7 @@ def test_pad_batch_left_and_right(tok):
     ids, valid = tok.pad_batch(seqs, side="left")
     n = ids.shape[1]
     assert valid[0].tolist() == [False] * (n - len(seqs[0])) + [True] * len(seqs[0])
-    assert ids[0, 0] == tok.pad_id and ids[0, -len(seqs[0]):].tolist() == seqs[0]
+    assert ids[0, 0] == tok.pad_id and ids[0, -len(seqs[0]) :].tolist() == seqs[0]
     ids, valid = tok.pad_batch(seqs)
     assert ids[0, : len(seqs[0])].tolist() == seqs[0] and not valid[0, -1]
 
