@@ -15,24 +15,32 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from .config import (
     BackboneConfig,
+    BPEConfig,
+    CausalLMTaskConfig,
     CIFAR10DataConfig,
     ClassificationTaskConfig,
     ClassifierHeadConfig,
     ImageFolderDataConfig,
+    LMHeadConfig,
     RecipeConfig,
     RecipeError,
+    TextDataConfig,
     ViTPatchConfig,
     recipe_to_dict,
     recipe_to_yaml,
 )
 from .data.datamodule import MultiTaskDataModule
 from .data.image import cifar10_data, image_folder_data
-from .data.roots import DataError, DataNotFoundError
+from .data.roots import DataError, DataNotFoundError, resolve_root
+from .data.text import corpus_split, text_data
 from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
+from .models.heads import LMHead
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
+from .tasks.language_model import CausalLMTask
 from .tokenizers import ViTPatchTokenizer
-from .training.callbacks import BadSampleReport, ThroughputLogger
+from .tokenizers.text import TextEmbedding, TextTokenizer
+from .training.callbacks import BadSampleReport, TextSamples, ThroughputLogger
 from .training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
 from .training.loggers import build_loggers
 from .training.runs import Run, RunFolder
@@ -58,6 +66,31 @@ def build_vit_patch(cfg: ViTPatchConfig, d_model: int) -> ViTPatchTokenizer:
         tuple(cfg.mean),
         tuple(cfg.std),
     )
+
+
+@register("tokenizer", "bpe", BPEConfig)
+def build_bpe(cfg: BPEConfig, d_model: int, vocab_size: int) -> TextEmbedding:
+    return TextEmbedding(vocab_size, d_model, cfg.max_len)
+
+
+@register("head", "lm", LMHeadConfig)
+def build_lm_head(cfg: LMHeadConfig, d_model: int, tokenizer) -> LMHead:
+    if not isinstance(tokenizer, TextEmbedding):
+        raise RecipeError("an 'lm' head needs a task whose tokenizer is a text (bpe) tokenizer")
+    head = LMHead(d_model, tokenizer.vocab_size)
+    if cfg.tie_weights:
+        head.tie_to(tokenizer.embed)
+    return head
+
+
+@register("task", "causal_lm", CausalLMTaskConfig)
+def build_causal_lm(cfg: CausalLMTaskConfig, recipe: RecipeConfig) -> CausalLMTask:
+    return CausalLMTask(cfg.tokenizer, cfg.head)
+
+
+@register("dataset", "text", TextDataConfig)
+def build_text_data(cfg: TextDataConfig, task, recipe: RecipeConfig):
+    return text_data(cfg, text_tokenizer(recipe, task.tokenizer), recipe.seed)
 
 
 @register("head", "classifier", ClassifierHeadConfig)
@@ -89,11 +122,55 @@ def _num_classes(task, recipe: RecipeConfig) -> int | None:
 
 
 # --------------------------------------------------------------------------- composition
-def build_model(recipe: RecipeConfig) -> MultimodalModel:
+_TEXT_TOKENIZERS: dict[str, TextTokenizer] = {}
+
+
+def text_tokenizer(recipe: RecipeConfig, name: str) -> TextTokenizer:
+    """The data-side BPE of ``model.tokenizers.<name>``: loaded from ``path``, or trained once on the
+    training documents of the first task that reads it (cached as ``<corpus>/.cache/bpe-*.json``)."""
+    cfg = recipe.model.tokenizers[name]
+    if cfg.path:
+        key = f"file:{cfg.path}"
+        if key not in _TEXT_TOKENIZERS:
+            _TEXT_TOKENIZERS[key] = TextTokenizer.from_file(cfg.path)
+        return _TEXT_TOKENIZERS[key]
+    task = next((t for t in recipe.tasks.values() if t.tokenizer == name and t.data.kind == "text"), None)
+    if task is None:
+        raise RecipeError(
+            f"'model.tokenizers.{name}' has no path and no text task to train it on: set its path "
+            "to a tokenizer.json"
+        )
+    root = resolve_root(task.data.root)
+    docs, train, _ = corpus_split(root, task.data.val_fraction, recipe.seed)
+    cache = (root if root.is_dir() else root.parent) / ".cache"
+    key = f"train:{root.resolve()}:{cfg.vocab_size}:{task.data.val_fraction}:{recipe.seed}"
+    if key not in _TEXT_TOKENIZERS:
+        path = cache / f"bpe-{cfg.vocab_size}-seed{recipe.seed}-val{task.data.val_fraction}-n{len(docs)}.json"
+        if path.is_file():
+            _TEXT_TOKENIZERS[key] = TextTokenizer.from_file(path)
+        else:
+            tok = TextTokenizer.train((docs[i] for i in train), vocab_size=cfg.vocab_size)
+            cache.mkdir(parents=True, exist_ok=True)
+            tok.save(path)
+            _TEXT_TOKENIZERS[key] = tok
+    return _TEXT_TOKENIZERS[key]
+
+
+def build_model(
+    recipe: RecipeConfig, text_tokenizers: dict[str, TextTokenizer] | None = None
+) -> MultimodalModel:
+    """The composed model. ``text_tokenizers`` (name → TextTokenizer) skips loading or training BPEs
+    (e.g. the ones a checkpoint carries)."""
     m = recipe.model
     backbone = lookup("backbone", m.backbone.kind).builder(m.backbone)
     d = m.backbone.d_model
-    tokenizers = {n: lookup("tokenizer", c.kind).builder(c, d) for n, c in m.tokenizers.items()}
+    tokenizers = {}
+    for n, c in m.tokenizers.items():
+        if c.kind == "bpe":
+            tt = (text_tokenizers or {}).get(n) or text_tokenizer(recipe, n)
+            tokenizers[n] = lookup("tokenizer", c.kind).builder(c, d, tt.vocab_size)
+        else:
+            tokenizers[n] = lookup("tokenizer", c.kind).builder(c, d)
     heads = {}
     for name, cfg in m.heads.items():
         readers = [t.tokenizer for t in recipe.tasks.values() if getattr(t, "head", None) == name]
@@ -102,11 +179,22 @@ def build_model(recipe: RecipeConfig) -> MultimodalModel:
     return MultimodalModel(tokenizers, backbone, heads)
 
 
-def build_module(recipe: RecipeConfig, model: MultimodalModel | None = None) -> MultiTaskModule:
-    model = model or build_model(recipe)
+def build_module(
+    recipe: RecipeConfig,
+    model: MultimodalModel | None = None,
+    text_tokenizers: dict[str, TextTokenizer] | None = None,
+) -> MultiTaskModule:
+    """The LightningModule; checkpoints will carry the text tokenizers' JSON so they stand alone."""
+    model = model or build_model(recipe, text_tokenizers)
     tasks = {n: lookup("task", t.kind).builder(t, recipe) for n, t in recipe.tasks.items()}
     weights = {n: t.weight for n, t in recipe.tasks.items()}
-    return MultiTaskModule(model, tasks, weights, recipe.optim, recipe_to_yaml(recipe), recipe.seed)
+    module = MultiTaskModule(model, tasks, weights, recipe.optim, recipe_to_yaml(recipe), recipe.seed)
+    module.tokenizer_files = {
+        n: ((text_tokenizers or {}).get(n) or text_tokenizer(recipe, n)).to_json()
+        for n, c in recipe.model.tokenizers.items()
+        if c.kind == "bpe"
+    }
+    return module
 
 
 def build_datamodule(recipe: RecipeConfig) -> MultiTaskDataModule:
@@ -205,6 +293,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
             *last,
             ThroughputLogger(),
             BadSampleReport(),
+            TextSamples(),
             *progress,
             *extra_callbacks,
         ],

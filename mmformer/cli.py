@@ -1,4 +1,4 @@
-"""``mmformer train | validate | info | data`` — a thin layer over ``config`` and ``build``.
+"""``mmformer train | validate | generate | info | data`` — a thin layer over ``config`` and ``build``.
 
 mmformer train RECIPE.yaml [key=value ...]     e.g. optim.lr=3e-4 trainer.devices=2 resume=auto
 mmformer validate CHECKPOINT.ckpt [key=value ...]
@@ -91,15 +91,20 @@ def describe_model(model, recipe) -> list[str]:
     parts = {
         p: sum(x.numel() for x in getattr(model, p).parameters()) for p in ("tokenizers", "backbone", "heads")
     }
-    lines = [
-        f"parameters: {sum(parts.values()):,} (" + ", ".join(f"{k} {v:,}" for k, v in parts.items()) + ")"
-    ]
+    total = sum(x.numel() for x in model.parameters())  # shared (tied) tensors counted once
+    shared = " — tied weights counted once in the total" if total != sum(parts.values()) else ""
+    lines = [f"parameters: {total:,} (" + ", ".join(f"{k} {v:,}" for k, v in parts.items()) + f"{shared})"]
     for name, task in recipe.tasks.items():
         tok = model.tokenizers[task.tokenizer]
         if hasattr(tok, "example_input"):
             flops = count_flops(model, tok.example_input(1), task.tokenizer, task.head)
+            what = (
+                "sample"
+                if not hasattr(tok, "vocab_size")
+                else f"sequence of {tok.example_input(1).shape[1]} tokens"
+            )
             lines.append(
-                f"FLOPs per sample ({name}): forward {flops['forward'] / 1e6:,.1f} M, "
+                f"FLOPs per {what} ({name}): forward {flops['forward'] / 1e6:,.1f} M, "
                 f"train step (fwd+bwd) {flops['train'] / 1e6:,.1f} M"
             )
     return lines
@@ -155,6 +160,52 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    """Continue ``--prompt`` texts with a trained text model; the checkpoint carries its recipe and BPE."""
+    import torch
+
+    from .build import build_model
+    from .config import RecipeError, recipe_from_yaml
+    from .models.generate import generate
+    from .tokenizers.text import TextTokenizer
+
+    if not args.checkpoint.is_file():
+        raise FileNotFoundError(f"checkpoint {str(args.checkpoint)!r} does not exist")
+    ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    state = ckpt.get("mmformer", {})
+    if "recipe_yaml" not in state:
+        raise RecipeError(f"{args.checkpoint} is not an mmformer training checkpoint (it carries no recipe)")
+    recipe = recipe_from_yaml(state["recipe_yaml"])
+    text = {n: TextTokenizer.from_json(j) for n, j in state.get("tokenizers", {}).items()}
+    task = next((t for t in recipe.tasks.values() if t.kind == "causal_lm"), None)
+    if task is None or task.tokenizer not in text:
+        raise RecipeError(f"{args.checkpoint} has no causal language-model task to generate with")
+    model = build_model(recipe, text)
+    model.load_state_dict(
+        {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    )
+    tok = text[task.tokenizer]
+    ids, valid = tok.pad_batch([tok.encode(p) for p in args.prompt], side="left")
+    gen = torch.Generator().manual_seed(args.seed)
+    outs = generate(
+        model,
+        task.tokenizer,
+        task.head,
+        ids,
+        valid,
+        args.max_new_tokens,
+        tok.eos_id,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        gen,
+    )
+    for prompt, out in zip(args.prompt, outs):
+        print(prompt + tok.decode(out))
+        print("---")
+    return 0
+
+
 def cmd_info(args) -> int:
     from .build import build_model
     from .config import load_recipe, recipe_to_yaml
@@ -194,6 +245,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     v.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. trainer.devices=1")
     v.set_defaults(fn=cmd_validate)
+    g = sub.add_parser("generate", help="continue a text prompt with a trained language model")
+    g.add_argument("checkpoint", type=Path, help="a .ckpt of a recipe with a causal_lm task")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("info", help="print the resolved recipe, parameter count and FLOPs per sample")
     i.add_argument("recipe", type=Path)
     i.add_argument("overrides", nargs="*", help="key=value recipe overrides")

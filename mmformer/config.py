@@ -217,6 +217,59 @@ def _probability(cfg, *names: str) -> None:
             raise ValueError(f"{name} must be in [0, 1), got {value}")
 
 
+@dataclass
+class BPEConfig:
+    """``model.tokenizers.<name>`` of kind ``bpe``: byte-level BPE text (``TextTokenizer`` + ``TextEmbedding``)."""
+
+    kind: str = "bpe"
+    path: Optional[str] = None  # a tokenizer.json; default: train one on the task's training documents
+    vocab_size: int = 8192  # when training
+    max_len: Optional[int] = None  # learned absolute positions up to this length (GPT-2); None for RoPE
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "max_len")
+
+
+@dataclass
+class LMHeadConfig:
+    """``model.heads.<name>`` of kind ``lm``: next-token logits over the text tokenizer's vocabulary."""
+
+    kind: str = "lm"
+    tie_weights: bool = True  # share the token-embedding matrix
+
+
+@dataclass
+class CausalLMTaskConfig:
+    """``tasks.<name>`` of kind ``causal_lm``: next-token prediction, perplexity."""
+
+    kind: str = "causal_lm"
+    weight: float = 1.0
+    tokenizer: str = MISSING
+    head: str = MISSING
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TextDataConfig:
+    """``tasks.<name>.data`` of kind ``text``: a corpus (file or folder, blank-line separated documents),
+    a path or a bundled name (``kjv``); tokenized once into a memory-mapped cache."""
+
+    kind: str = "text"
+    root: str = MISSING
+    seq_len: int = 256
+    pack: bool = True  # pack documents into full windows (with document ids) instead of padding each
+    val_fraction: float = 0.05  # documents held out, seeded by the recipe seed
+    batch_size: int = 32
+    val_batch_size: Optional[int] = None
+    num_workers: int = 0
+    drop_last: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "seq_len", "batch_size", "val_batch_size")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+
+
 # --------------------------------------------------------------------------- top-level sections
 @dataclass
 class ModelConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,9 @@ def test_recipe_opens_with_launch_comment_and_name_matches(path):
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_trains_a_few_steps(path, workdir, capsys):
     recipe = load_recipe(path)
+    for task in recipe.tasks.values():  # a bundled source this machine cannot provide → skip, saying why
+        if task.data.root == "kjv" and shutil.which("bible") is None:
+            pytest.skip("the kjv recipe needs Debian's bible-kjv (apt-get install bible-kjv)")
     overrides = [
         "trainer.max_steps=3",
         "trainer.log_every_n_steps=1",

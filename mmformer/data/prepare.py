@@ -112,7 +112,7 @@ def build_kjv(out: Path) -> None:
     if len(chapters) != 1189:
         raise DataError(f"expected the 1,189 chapters of the KJV, parsed {len(chapters)}")
     (out / "kjv.txt").write_text("\n\n".join(chapters) + "\n")
-    (out / "README.txt").write_text(
+    (out / "README.md").write_text(
         "King James Version (public domain), Debian bible-kjv; 1,189 chapters, one "
         "document each, separated by blank lines.\n"
     )

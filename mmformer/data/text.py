@@ -1,7 +1,7 @@
 """Text corpora as training sequences.
 
-A corpus is a plain-text file whose documents are separated by blank lines (``mmformer data prepare
-kjv`` writes one), or a folder of ``.txt`` files (one document each). It is tokenized once into a
+A corpus is a plain-text file, or a folder of ``.txt`` files, whose documents are separated by blank
+lines (``mmformer data prepare kjv`` writes one). It is tokenized once into a
 cached memory-mapped token file next to the corpus (keyed by the corpus and the tokenizer, so a
 changed tokenizer never reads stale ids), then served either
 
@@ -26,15 +26,14 @@ from .roots import DataError
 
 
 def read_documents(path: Path) -> list[str]:
-    """Documents of a corpus file (blank-line separated) or folder (one ``.txt`` per document).
+    """Documents of a corpus: a ``.txt`` file, or every ``.txt`` file of a folder (sorted); inside each
+    file, documents are separated by blank lines.
 
     Raises ``DataError`` when there is no text.
     """
     path = Path(path)
-    if path.is_dir():
-        docs = [p.read_text(encoding="utf-8") for p in sorted(path.rglob("*.txt"))]
-    else:
-        docs = [d for d in path.read_text(encoding="utf-8").split("\n\n")]
+    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+    docs = [d for f in files for d in f.read_text(encoding="utf-8").split("\n\n")]
     docs = [d.strip("\n") for d in docs if d.strip()]
     if not docs:
         raise DataError(f"no text found in {path}")
@@ -143,3 +142,38 @@ class PaddedText(Dataset):
             "text_valid": valid,
             "text_document": torch.zeros(self.seq_len, dtype=torch.long),
         }
+
+
+def corpus_split(root: Path, val_fraction: float, seed: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """``(documents, train_ids, val_ids)`` of a corpus."""
+    docs = read_documents(root)
+    train, val = split_documents(len(docs), val_fraction, seed)
+    return docs, train, val
+
+
+def text_data(cfg, tokenizer, seed: int):
+    """``TaskData`` for a ``TextDataConfig``: tokenize once (cached under ``<root>/.cache``), split by
+    document, pack or pad. Raises ``DataNotFoundError`` / ``DataError`` for a missing or empty corpus."""
+    from torch.utils.data import default_collate
+
+    from .datamodule import TaskData
+    from .roots import resolve_root
+
+    root = resolve_root(cfg.root)
+    docs, train, val = corpus_split(root, cfg.val_fraction, seed)
+    cache = TokenCache(docs, tokenizer, (root if root.is_dir() else root.parent) / ".cache")
+
+    def make(ids):
+        if cfg.pack:
+            return PackedText(cache, ids, cfg.seq_len, tokenizer.eos_id)
+        return PaddedText(cache, ids, cfg.seq_len, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+
+    return TaskData(
+        train=make(train),
+        val=make(val),
+        collate=default_collate,
+        batch_size=cfg.batch_size,
+        val_batch_size=cfg.val_batch_size or cfg.batch_size,
+        num_workers=cfg.num_workers,
+        drop_last=cfg.drop_last,
+    )

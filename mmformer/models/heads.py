@@ -62,3 +62,25 @@ class ClassifierHead(nn.Module):
             w = tokens.valid[:, self.num_prefix_tokens :].unsqueeze(-1).to(h.dtype)  # (B, N - prefix, 1)
             x = (h * w).sum(1) / w.sum(1).clamp_min(1.0)  # mean over real tokens only
         return self.head(self.head_drop(self.fc_norm(x)))
+
+
+class LMHead(nn.Module):
+    """Next-token logits ``(B, N, V)`` from hidden states ``(B, N, D)`` (``head``, no bias as GPT-2 /
+    Llama). ``tie_to(embedding)`` shares the token-embedding matrix (Press & Wolf 2017,
+    arXiv:1608.05859). Raises ``ValueError`` when the shapes differ."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__()
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        nn.init.normal_(self.head.weight, std=0.02)
+
+    def tie_to(self, embedding: nn.Embedding) -> None:
+        if embedding.weight.shape != self.head.weight.shape:
+            raise ValueError(
+                f"cannot tie a {tuple(self.head.weight.shape)} head to a "
+                f"{tuple(embedding.weight.shape)} embedding"
+            )
+        self.head.weight = embedding.weight
+
+    def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
+        return self.head(hidden)

@@ -27,19 +27,20 @@ class MultimodalModel(nn.Module):
         self.backbone = backbone
         self.heads = nn.ModuleDict(heads)
 
-    def encode(self, tokenizer: str, inputs: Tensor) -> tuple[Tensor, Tokens]:
-        """Tokenize ``inputs`` with ``tokenizers[tokenizer]`` and run the backbone.
+    def encode(self, tokenizer: str, inputs: Tensor, cache=None, **tokenizer_kwargs) -> tuple[Tensor, Tokens]:
+        """Tokenize ``inputs`` with ``tokenizers[tokenizer]`` (extra keyword arguments such as a text
+        ``valid`` mask go to it) and run the backbone, appending to ``cache`` when given.
 
         Returns ``(hidden (B, N, D), tokens)``. Raises ``KeyError`` naming the known tokenizers.
         """
         if tokenizer not in self.tokenizers:
             raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
-        tokens = self.tokenizers[tokenizer](inputs)
-        return self.backbone(tokens), tokens
+        tokens = self.tokenizers[tokenizer](inputs, **tokenizer_kwargs)
+        return self.backbone(tokens, cache=cache), tokens
 
-    def forward(self, inputs: Tensor, tokenizer: str, head: str) -> Tensor:
+    def forward(self, inputs: Tensor, tokenizer: str, head: str, cache=None, **tokenizer_kwargs) -> Tensor:
         """``heads[head](backbone(tokenizers[tokenizer](inputs)))``."""
-        hidden, tokens = self.encode(tokenizer, inputs)
+        hidden, tokens = self.encode(tokenizer, inputs, cache, **tokenizer_kwargs)
         return self.heads[head](hidden, tokens)
 
     def no_weight_decay(self) -> set[str]:

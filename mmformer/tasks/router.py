@@ -120,8 +120,14 @@ class MultiTaskModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------ checkpoints
+    tokenizer_files: dict[str, str] = {}  # text tokenizers as JSON, set by the builder
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["mmformer"] = {"recipe_yaml": self.recipe_yaml, "rng": _rng_state()}
+        checkpoint["mmformer"] = {
+            "recipe_yaml": self.recipe_yaml,
+            "rng": _rng_state(),
+            "tokenizers": dict(self.tokenizer_files),
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("mmformer", {})

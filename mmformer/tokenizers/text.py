@@ -178,11 +178,29 @@ class TextEmbedding(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed.weight"}
 
-    def forward(self, ids: Tensor, valid: Tensor | None = None, positions: Tensor | None = None) -> Tokens:
+    def example_input(self, batch_size: int = 1, length: int | None = None) -> Tensor:
+        """Zero ids ``(batch_size, length)``, ``length`` defaulting to ``max_len`` or 256 (FLOP counting)."""
+        return torch.zeros(batch_size, length or self.max_len or 256, dtype=torch.long)
+
+    def forward(
+        self,
+        ids: Tensor,
+        valid: Tensor | None = None,
+        positions: Tensor | None = None,
+        document: Tensor | None = None,
+    ) -> Tokens:
+        """``document (B, N)``: packed-sequence ids; positions then restart at each document."""
         x = self.embed(ids)  # (B, N, D)
         tokens = Tokens.from_embeddings(
             x, MODALITY_IDS["text"], valid=valid, positions=positions, n_pos_axes=self.n_pos_axes
         )
+        if document is not None:  # attention stops at each document, and positions restart there
+            tokens.document = document
+            if positions is None:
+                starts = torch.nn.functional.pad(document[:, 1:] != document[:, :-1], (1, 0), value=True)
+                idx = torch.arange(ids.shape[1], device=ids.device).expand_as(document)
+                first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+                tokens.positions = (idx - first).unsqueeze(-1).expand(-1, -1, self.n_pos_axes)
         if self.pos_embed is not None:
             pos = tokens.positions[..., 0]
             if int(pos.max()) >= self.max_len:

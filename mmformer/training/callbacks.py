@@ -12,19 +12,23 @@ from lightning.fabric.utilities.throughput import Throughput
 log = logging.getLogger("mmformer")
 
 
-def _batch_samples(batch: dict) -> int:
-    n = 0
+def _batch_samples(batch: dict) -> tuple[int, int]:
+    """(samples, real text tokens) in a ``{task: batch}`` step."""
+    n, tokens = 0, 0
     for task_batch in batch.values():
         if task_batch is None:
             continue
         first = next(v for v in task_batch.values() if isinstance(v, torch.Tensor))
         n += first.shape[0]
-    return n
+        if "text_valid" in task_batch:
+            tokens += int(task_batch["text_valid"].sum())
+    return n, tokens
 
 
 class ThroughputLogger(L.Callback):
-    """Logs ``throughput/samples_per_sec`` (all ranks together) and ``throughput/device/samples_per_sec``
-    over a sliding window of training batches (by default as long as the logging interval, 2–20)."""
+    """Logs ``throughput/samples_per_sec`` (all ranks together) and ``throughput/device/samples_per_sec``,
+    and for text ``throughput/tokens_per_sec`` (real tokens, all ranks), over a sliding window of
+    training batches (by default as long as the logging interval, 2–20)."""
 
     def __init__(self, window_size: int | None = None):
         self.window_size = window_size
@@ -32,17 +36,30 @@ class ThroughputLogger(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         window = self.window_size or min(20, max(2, trainer.log_every_n_steps))
         self.meter = Throughput(window_size=window, world_size=trainer.world_size)
-        self.t0, self.samples, self.batches = time.perf_counter(), 0, 0
+        self.t0, self.samples, self.tokens, self.batches = time.perf_counter(), 0, 0, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.samples += _batch_samples(batch)
-        self.batches += 1
-        self.meter.update(time=time.perf_counter() - self.t0, batches=self.batches, samples=self.samples)
+        samples, tokens = _batch_samples(batch)
+        self.samples, self.tokens, self.batches = (
+            self.samples + samples,
+            self.tokens + tokens,
+            self.batches + 1,
+        )
+        self.meter.update(
+            time=time.perf_counter() - self.t0,
+            batches=self.batches,
+            samples=self.samples,
+            lengths=self.tokens if self.tokens >= self.samples else None,  # tokens only when text is counted
+        )
         metrics = self.meter.compute()
         if "device/samples_per_sec" in metrics:
             device = float(metrics["device/samples_per_sec"])
             pl_module.log("throughput/device/samples_per_sec", device)
             pl_module.log("throughput/samples_per_sec", device * trainer.world_size, prog_bar=True)
+        if self.tokens and "device/items_per_sec" in metrics:
+            pl_module.log(
+                "throughput/tokens_per_sec", float(metrics["device/items_per_sec"]) * trainer.world_size
+            )
 
 
 class BadSampleReport(L.Callback):
@@ -94,3 +111,52 @@ class LastValidationStep(L.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
             self.step = trainer.global_step
+
+
+class TextSamples(L.Callback):
+    """After each validation, continues a few fixed prompts (the starts of the first validation
+    windows) with every causal-LM task's model and logs them as a W&B table ``samples/<task>``
+    (and prints them); greedy, so successive tables show how the model changes."""
+
+    def __init__(self, n_prompts: int = 3, prompt_tokens: int = 8, max_new_tokens: int = 32):
+        self.n_prompts, self.prompt_tokens, self.max_new_tokens = n_prompts, prompt_tokens, max_new_tokens
+        self.last: dict[str, list[tuple[str, str]]] = {}
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        from lightning.pytorch.loggers import WandbLogger
+
+        from ..models.generate import generate
+        from ..tokenizers.text import TextTokenizer
+
+        for name, task in pl_module.tasks.items():
+            if not hasattr(task, "tokenizer") or type(task).__name__ != "CausalLMTask":
+                continue
+            tok = TextTokenizer.from_json(pl_module.tokenizer_files[task.tokenizer])
+            val = trainer.datamodule.data[name].val
+            prompts = [
+                val[i]["text"][: self.prompt_tokens].tolist() for i in range(min(self.n_prompts, len(val)))
+            ]
+            ids, valid = tok.pad_batch(prompts, side="left")
+            was_training = pl_module.training
+            outs = generate(
+                pl_module.model,
+                task.tokenizer,
+                task.head,
+                ids.to(pl_module.device),
+                valid.to(pl_module.device),
+                self.max_new_tokens,
+                tok.eos_id,
+            )
+            pl_module.train(was_training)
+            rows = [(tok.decode(p), tok.decode(o)) for p, o in zip(prompts, outs)]
+            self.last[name] = rows
+            for lg in trainer.loggers:
+                if isinstance(lg, WandbLogger):
+                    lg.log_text(
+                        key=f"samples/{name}",
+                        columns=["prompt", "continuation"],
+                        data=[list(r) for r in rows],
+                        step=trainer.global_step,
+                    )

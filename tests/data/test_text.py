@@ -96,6 +96,6 @@ def test_kjv_prepare_is_the_real_bible(tmp_path, monkeypatch):
     from mmformer.data.prepare import prepare
 
     monkeypatch.setenv("MMFORMER_DATA", str(tmp_path))
-    docs = read_documents(prepare("kjv") / "kjv.txt")
+    docs = read_documents(prepare("kjv"))  # the folder: README.md is not a .txt corpus file
     assert len(docs) == 1189 and docs[0].startswith("Genesis 1\n1 In the beginning God created")
     assert docs[-1].startswith("Revelation 22\n") and sum(d.count("\n") for d in docs) == 31102

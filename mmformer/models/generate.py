@@ -1,0 +1,73 @@
+"""Autoregressive text generation with the KV cache: greedy, temperature, top-k and top-p (nucleus,
+Holtzman et al. 2020, arXiv:1904.09751) sampling, stopping at ``eos``; batched prompts of different
+lengths are left-padded so every row's next token is at the end.
+
+Shape legend: B batch, N tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..nn.attention import KVCache
+from .model import MultimodalModel
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """``logits (B, V)`` → next ids ``(B,)``: argmax when ``temperature == 0``, else a sample from the
+    tempered distribution restricted to the ``top_k`` most likely ids and the smallest set whose
+    probability reaches ``top_p``."""
+    if temperature <= 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the first token that crosses top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: MultimodalModel,
+    tokenizer: str,
+    head: str,
+    ids: Tensor,
+    valid: Tensor,
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """Continue left-padded prompts ``ids, valid (B, N)``; returns each row's new ids (without the prompt,
+    up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step."""
+    model.eval()
+    cache = KVCache()
+    logits = model(ids, tokenizer, head, cache=cache, valid=valid)[:, -1]
+    out: list[list[int]] = [[] for _ in range(ids.shape[0])]
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i] and t != eos_id:
+                out[i].append(t)
+        done |= nxt == eos_id if eos_id is not None else torch.zeros_like(done)
+        if bool(done.all()):
+            break
+        pos = cache.valid.sum(dim=1, keepdim=True).unsqueeze(-1)  # each row continues from its length
+        step_valid = torch.ones_like(nxt[:, None], dtype=torch.bool)
+        logits = model(nxt[:, None], tokenizer, head, cache=cache, valid=step_valid, positions=pos)[:, -1]
+    return out
