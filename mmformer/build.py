@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import hashlib
+import os
 import sys
 
 import lightning as L
@@ -125,9 +127,22 @@ def _num_classes(task, recipe: RecipeConfig) -> int | None:
 _TEXT_TOKENIZERS: dict[str, TextTokenizer] = {}
 
 
+_PINNED_TEXT_TOKENIZERS: dict[str, TextTokenizer] = {}
+
+
+def pin_text_tokenizers(tokenizers: dict[str, TextTokenizer]) -> None:
+    """Use these BPEs (e.g. the ones a checkpoint carries) instead of loading or training them, so a
+    resumed or re-evaluated run reads its data with exactly the tokenizer its weights were trained with."""
+    _PINNED_TEXT_TOKENIZERS.clear()
+    _PINNED_TEXT_TOKENIZERS.update(tokenizers)
+
+
 def text_tokenizer(recipe: RecipeConfig, name: str) -> TextTokenizer:
-    """The data-side BPE of ``model.tokenizers.<name>``: loaded from ``path``, or trained once on the
-    training documents of the first task that reads it (cached as ``<corpus>/.cache/bpe-*.json``)."""
+    """The data-side BPE of ``model.tokenizers.<name>``: pinned (from a checkpoint), loaded from ``path``,
+    or trained once on the training documents of the first task that reads it (cached as
+    ``<corpus>/.cache/bpe-<vocab>-<hash of those documents>.json``)."""
+    if name in _PINNED_TEXT_TOKENIZERS:
+        return _PINNED_TEXT_TOKENIZERS[name]
     cfg = recipe.model.tokenizers[name]
     if cfg.path:
         key = f"file:{cfg.path}"
@@ -142,16 +157,20 @@ def text_tokenizer(recipe: RecipeConfig, name: str) -> TextTokenizer:
         )
     root = resolve_root(task.data.root)
     docs, train, _ = corpus_split(root, task.data.val_fraction, recipe.seed)
-    cache = (root if root.is_dir() else root.parent) / ".cache"
-    key = f"train:{root.resolve()}:{cfg.vocab_size}:{task.data.val_fraction}:{recipe.seed}"
+    digest = hashlib.sha256()
+    for i in train:  # the exact training documents decide the tokenizer
+        digest.update(docs[i].encode("utf-8") + b"\0")
+    key = f"bpe-{cfg.vocab_size}-{digest.hexdigest()[:16]}"
     if key not in _TEXT_TOKENIZERS:
-        path = cache / f"bpe-{cfg.vocab_size}-seed{recipe.seed}-val{task.data.val_fraction}-n{len(docs)}.json"
+        path = (root if root.is_dir() else root.parent) / ".cache" / f"{key}.json"
         if path.is_file():
             _TEXT_TOKENIZERS[key] = TextTokenizer.from_file(path)
         else:
             tok = TextTokenizer.train((docs[i] for i in train), vocab_size=cfg.vocab_size)
-            cache.mkdir(parents=True, exist_ok=True)
-            tok.save(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # atomic: ranks may race here
+            tok.save(tmp)
+            os.replace(tmp, path)
             _TEXT_TOKENIZERS[key] = tok
     return _TEXT_TOKENIZERS[key]
 
@@ -225,8 +244,11 @@ def default_monitor(recipe: RecipeConfig, module: MultiTaskModule) -> tuple[str,
     known = {"train/loss": "min"}
     for name, task in module.tasks.items():
         known[f"train/{name}/loss"] = "min"
+        main_name, main_mode = getattr(task, "main_metric", ("loss", "min"))
         for metric in getattr(task, "val_metrics", {}):
-            known[f"val/{name}/{metric}"] = "min" if metric.endswith("loss") else "max"
+            known[f"val/{name}/{metric}"] = (
+                main_mode if metric == main_name else ("min" if metric.endswith(("loss", "ppl")) else "max")
+            )
     first = next(iter(recipe.tasks))
     metric, mode = getattr(module.tasks[first], "main_metric", ("loss", "min"))
     monitor = recipe.checkpoint.monitor or f"val/{first}/{metric}"

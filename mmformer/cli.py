@@ -51,6 +51,7 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     ``verbose`` prints the resolved recipe, the model's size and FLOPs, and what is resumed.
     """
     import lightning as L
+    import torch
 
     from .build import build_datamodule, build_module, build_trainer
     from .config import recipe_to_yaml
@@ -62,6 +63,10 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     run = open_run(recipe.name, recipe.resume)
     trainer = None
     try:
+        if run.resume_from is not None:  # keep reading data with the checkpoint's own tokenizers
+            _pin_checkpoint_tokenizers(
+                torch.load(run.resume_from, map_location="cpu", weights_only=True, mmap=True)
+            )
         datamodule = build_datamodule(recipe)  # fails here, before anything long, on bad data paths
         module = build_module(recipe)
         if verbose:
@@ -77,6 +82,7 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
         if not trainer.interrupted and tracker.step != trainer.global_step:  # final weights not validated yet
             trainer.validate(module, datamodule=datamodule, verbose=False)
     finally:
+        _pin_checkpoint_tokenizers(None)
         if trainer is not None:
             finish_loggers(trainer.loggers)
         os.environ.pop(RUN_ID_ENV, None)
@@ -138,6 +144,7 @@ def cmd_validate(args) -> int:
     if "recipe_yaml" not in ckpt.get("mmformer", {}):
         raise RecipeError(f"{args.checkpoint} is not an mmformer training checkpoint (it carries no recipe)")
     recipe = recipe_from_yaml(ckpt["mmformer"]["recipe_yaml"], args.overrides)
+    _pin_checkpoint_tokenizers(ckpt)  # read the data with the tokenizer the weights were trained with
     module = build_module(recipe)
     module.load_state_dict(ckpt["state_dict"])
     t = recipe.trainer
@@ -158,6 +165,14 @@ def cmd_validate(args) -> int:
             if key.startswith("val/"):
                 print(f"{key} {float(value):.4f}")
     return 0
+
+
+def _pin_checkpoint_tokenizers(ckpt: dict | None) -> None:
+    from .build import pin_text_tokenizers
+    from .tokenizers.text import TextTokenizer
+
+    files = (ckpt or {}).get("mmformer", {}).get("tokenizers", {})
+    pin_text_tokenizers({n: TextTokenizer.from_json(j) for n, j in files.items()})
 
 
 def cmd_generate(args) -> int:

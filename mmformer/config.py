@@ -531,6 +531,12 @@ def _check_references(recipe: RecipeConfig) -> None:
                 )
         head = recipe.model.heads.get(getattr(task, "head", None))
         tok = recipe.model.tokenizers.get(getattr(task, "tokenizer", None))
+        seq_len, max_len = getattr(task.data, "seq_len", None), getattr(tok, "max_len", None)
+        if seq_len and max_len and seq_len > max_len:
+            raise RecipeError(
+                f"'tasks.{name}.data.seq_len' is {seq_len} but tokenizer '{task.tokenizer}' has learned "
+                f"positions up to max_len={max_len}; raise max_len or shorten seq_len"
+            )
         if getattr(head, "pool", None) == "cls" and getattr(tok, "class_token", True) is False:
             raise RecipeError(
                 f"'model.heads.{task.head}.pool' is 'cls' but tokenizer '{task.tokenizer}' has "

@@ -16,6 +16,7 @@ and ``text_document`` (N,) long. The train / validation split is by document, se
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -73,11 +74,15 @@ class TokenCache:
             offsets = np.zeros(len(ids) + 1, dtype=np.int64)
             offsets[1:] = np.cumsum([len(x) for x in ids])
             flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(offsets[-1]))
-            tmp = self.tokens_path.with_suffix(".tmp")
+            tag = (
+                f".{os.getpid()}.tmp"  # ranks may build the same cache at once: private files, atomic rename
+            )
+            tmp = self.tokens_path.with_name(self.tokens_path.name + tag)
             flat.tofile(tmp)
-            tmp.rename(self.tokens_path)
-            np.save(self.offsets_path.with_suffix(".tmp.npy"), offsets)
-            self.offsets_path.with_suffix(".tmp.npy").rename(self.offsets_path)
+            os.replace(tmp, self.tokens_path)
+            tmp_off = self.offsets_path.with_name(self.offsets_path.name + tag + ".npy")
+            np.save(tmp_off, offsets)
+            os.replace(tmp_off, self.offsets_path)
         self.offsets = np.load(self.offsets_path)
         self.tokens = np.memmap(self.tokens_path, dtype=np.uint32, mode="r", shape=(int(self.offsets[-1]),))
 

@@ -24,6 +24,10 @@ def sample_next(
     """``logits (B, V)`` → next ids ``(B,)``: argmax when ``temperature == 0``, else a sample from the
     tempered distribution restricted to the ``top_k`` most likely ids and the smallest set whose
     probability reaches ``top_p``."""
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature <= 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -53,19 +57,35 @@ def generate(
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
     """Continue left-padded prompts ``ids, valid (B, N)``; returns each row's new ids (without the prompt,
-    up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step."""
+    up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step.
+
+    With learned absolute positions (``max_len``) the continuation stops at the end of the context.
+    Raises ``ValueError`` for an empty prompt or a prompt that already fills the context.
+    """
     model.eval()
+    lengths = valid.sum(dim=1)
+    if ids.shape[1] == 0 or bool((lengths == 0).any()):
+        raise ValueError("every prompt needs at least one token")
+    max_len = getattr(model.tokenizers[tokenizer], "max_len", None)
+    if max_len is not None:
+        room = max_len - int(lengths.max())
+        if room <= 0:
+            raise ValueError(
+                f"a prompt of {int(lengths.max())} tokens fills the model's context of {max_len}"
+            )
+        max_new_tokens = min(max_new_tokens, room)
     cache = KVCache()
     logits = model(ids, tokenizer, head, cache=cache, valid=valid)[:, -1]
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
         for i, t in enumerate(nxt.tolist()):
             if not done[i] and t != eos_id:
                 out[i].append(t)
-        done |= nxt == eos_id if eos_id is not None else torch.zeros_like(done)
-        if bool(done.all()):
+        if eos_id is not None:
+            done |= nxt == eos_id
+        if bool(done.all()) or step == max_new_tokens - 1:  # no forward for logits nobody reads
             break
         pos = cache.valid.sum(dim=1, keepdim=True).unsqueeze(-1)  # each row continues from its length
         step_valid = torch.ones_like(nxt[:, None], dtype=torch.bool)

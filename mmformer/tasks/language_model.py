@@ -3,7 +3,8 @@
 Batch keys: ``text`` (B, N) long, ``text_valid`` (B, N) bool, optional ``text_document`` (B, N) long.
 Position ``t`` predicts token ``t + 1``; the target is ignored where it is padding or where it
 belongs to another packed document (never learn to predict across an ``eos`` into unrelated text).
-Validation: token-weighted mean loss and perplexity (torchmetrics ``Perplexity``).
+Validation: token-weighted mean loss and perplexity = exp(that mean), from the same cross-entropy
+(finite whenever the loss is; no second ``(B, N, V)`` probability tensor).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
-from torchmetrics.text import Perplexity
 
 from ..models.model import MultimodalModel
 
@@ -28,6 +28,13 @@ def next_token_targets(batch: dict) -> Tensor:
     return ids[:, 1:].masked_fill(~keep, IGNORE)
 
 
+class Perplexity(MeanMetric):
+    """``exp`` of the mean of the per-token cross-entropies it is updated with."""
+
+    def compute(self):
+        return super().compute().exp()
+
+
 class CausalLMTask(nn.Module):
     """Args: ``tokenizer`` (a text embedding entry of ``model.tokenizers``), ``head`` (an LM head)."""
 
@@ -36,7 +43,7 @@ class CausalLMTask(nn.Module):
     def __init__(self, tokenizer: str, head: str):
         super().__init__()
         self.tokenizer, self.head = tokenizer, head
-        self.val_metrics = nn.ModuleDict({"loss": MeanMetric(), "ppl": Perplexity(ignore_index=IGNORE)})
+        self.val_metrics = nn.ModuleDict({"loss": MeanMetric(), "ppl": Perplexity()})
 
     def batch_size(self, batch: dict) -> int:
         return batch["text"].shape[0]
@@ -64,4 +71,4 @@ class CausalLMTask(nn.Module):
         )
         counted = targets.flatten() != IGNORE
         self.val_metrics["loss"].update(losses[counted])  # token-weighted over the whole validation set
-        self.val_metrics["ppl"].update(logits, targets)
+        self.val_metrics["ppl"].update(losses[counted])

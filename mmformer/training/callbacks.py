@@ -114,9 +114,9 @@ class LastValidationStep(L.Callback):
 
 
 class TextSamples(L.Callback):
-    """After each validation, continues a few fixed prompts (the starts of the first validation
-    windows) with every causal-LM task's model and logs them as a W&B table ``samples/<task>``
-    (and prints them); greedy, so successive tables show how the model changes."""
+    """After each validation, continues a few fixed prompts (the first real tokens of the first
+    validation windows, cut at an end of document) with every causal-LM task's model and logs them as
+    a W&B table ``samples/<task>``; greedy, so successive tables show how the model changes."""
 
     def __init__(self, n_prompts: int = 3, prompt_tokens: int = 8, max_new_tokens: int = 32):
         self.n_prompts, self.prompt_tokens, self.max_new_tokens = n_prompts, prompt_tokens, max_new_tokens
@@ -135,9 +135,15 @@ class TextSamples(L.Callback):
                 continue
             tok = TextTokenizer.from_json(pl_module.tokenizer_files[task.tokenizer])
             val = trainer.datamodule.data[name].val
-            prompts = [
-                val[i]["text"][: self.prompt_tokens].tolist() for i in range(min(self.n_prompts, len(val)))
-            ]
+            prompts = []
+            for i in range(min(self.n_prompts, len(val))):
+                item = val[i]
+                ids = item["text"][item["text_valid"]][: self.prompt_tokens].tolist()
+                ids = ids[: ids.index(tok.eos_id)] if tok.eos_id in ids else ids  # stay inside one document
+                if ids:
+                    prompts.append(ids)
+            if not prompts:
+                continue
             ids, valid = tok.pad_batch(prompts, side="left")
             was_training = pl_module.training
             outs = generate(

@@ -114,3 +114,42 @@ def test_train_and_generate_through_the_cli(workdir, capsys):
     (workdir / "corpus.txt").unlink()  # the checkpoint stands alone: no corpus needed to generate
     assert main(["generate", str(ckpt), "--prompt", "And the light", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("And the light")
+
+
+def test_generation_respects_the_context_and_refuses_empty_prompts():
+    torch.manual_seed(0)
+    emb = TextEmbedding(40, 32, max_len=8)
+    model = MultimodalModel(
+        {"text": emb}, build_backbone(32, 1, 4, causal=True), {"lm": LMHead(32, 40)}
+    ).eval()
+    ids, valid = torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4, dtype=torch.bool)
+    assert len(generate(model, "text", "lm", ids, valid, max_new_tokens=50)[0]) == 4  # 4 + 4 = max_len
+    with pytest.raises(ValueError, match="fills the model's context of 8"):
+        generate(
+            model, "text", "lm", torch.ones(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.bool), 3
+        )
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, "text", "lm", ids, torch.zeros(1, 4, dtype=torch.bool), 3)
+    with pytest.raises(ValueError, match="top_k must be"):
+        sample_next(torch.zeros(1, 4), 1.0, top_k=0)
+
+
+def test_perplexity_is_exp_of_the_token_weighted_loss():
+    from mmformer.tasks.language_model import Perplexity
+
+    m = Perplexity()
+    m.update(torch.tensor([1.0, 2.0, 3.0]))
+    m.update(torch.tensor([4.0]))
+    assert m.compute().item() == pytest.approx(torch.tensor(2.5).exp().item())
+
+
+def test_lm_checkpoint_monitor_direction_and_context_check(workdir):
+    from mmformer.build import build_module, default_monitor
+    from mmformer.config import RecipeError, recipe_from_yaml
+
+    corpus = workdir / "c.txt"
+    corpus.write_text("\n\n".join(f"doc {i} and some words" for i in range(8)))
+    recipe = recipe_from_yaml(LM_RECIPE.format(root=corpus), ["checkpoint.monitor=val/corpus/ppl"])
+    assert default_monitor(recipe, build_module(recipe)) == ("val/corpus/ppl", "min")
+    with pytest.raises(RecipeError, match="seq_len' is 64 but tokenizer 'text' has learned positions up to"):
+        recipe_from_yaml(LM_RECIPE.format(root=corpus), ["tasks.corpus.data.seq_len=64"])
