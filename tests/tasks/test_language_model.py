@@ -153,3 +153,20 @@ def test_lm_checkpoint_monitor_direction_and_context_check(workdir):
     assert default_monitor(recipe, build_module(recipe)) == ("val/corpus/ppl", "min")
     with pytest.raises(RecipeError, match="seq_len' is 64 but tokenizer 'text' has learned positions up to"):
         recipe_from_yaml(LM_RECIPE.format(root=corpus), ["tasks.corpus.data.seq_len=64"])
+
+
+def test_generate_cli_reports_bad_input_in_one_line(workdir, capsys):
+    verses = [f"Chapter {i}\n1 And the light was good, and the day was {i}." for i in range(40)]
+    (workdir / "corpus.txt").write_text("\n\n".join(verses) + "\n")
+    recipe = workdir / "lm.yaml"
+    recipe.write_text(LM_RECIPE.format(root=workdir / "corpus.txt"))
+    assert main(["train", str(recipe), "trainer.max_steps=2"]) == 0
+    ckpt = str(next((workdir / "runs" / "tiny_lm").glob("*/checkpoints/last.ckpt")))
+    capsys.readouterr()
+    assert main(["generate", ckpt, "--prompt", ""]) == 2
+    assert "every prompt needs at least one token" in capsys.readouterr().err
+    assert main(["generate", ckpt, "--prompt", "light " * 40]) == 2
+    assert "fills the model's context of 32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", ckpt, "--prompt", "x", "--top-k", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
