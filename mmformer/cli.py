@@ -62,11 +62,13 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     run = open_run(recipe.name, recipe.resume)
     trainer = None
+    resumed = (
+        None
+        if run.resume_from is None
+        else torch.load(run.resume_from, map_location="cpu", weights_only=True, mmap=True)
+    )
     try:
-        if run.resume_from is not None:  # keep reading data with the checkpoint's own tokenizers
-            _pin_checkpoint_tokenizers(
-                torch.load(run.resume_from, map_location="cpu", weights_only=True, mmap=True)
-            )
+        _pin_checkpoint_tokenizers(resumed)  # a resumed run reads data with the checkpoint's own tokenizers
         datamodule = build_datamodule(recipe)  # fails here, before anything long, on bad data paths
         module = build_module(recipe)
         if verbose:
@@ -75,7 +77,7 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
         tracker = LastValidationStep()
         trainer = build_trainer(recipe, run, module, extra_callbacks=[tracker, *extra_callbacks])
         if run.resume_from is not None and verbose:
-            _say(describe_resume(run, recipe_to_yaml(recipe)))
+            _say(describe_resume(run, recipe_to_yaml(recipe), resumed))
         trainer.fit(
             module, datamodule=datamodule, ckpt_path=str(run.resume_from) if run.resume_from else None
         )

@@ -10,7 +10,6 @@ computed and checked in ``__post_init__``, never written in YAML.
 
 from __future__ import annotations
 
-import copy
 import difflib
 import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -442,8 +441,6 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 def _component(group: str, node: Any, where: str, default_kind: str | None = None):
     """Validate one component node against the dataclass registered for its ``kind``."""
-    if is_dataclass(node):  # already validated (re-resolving a resolved recipe)
-        node = OmegaConf.to_container(OmegaConf.structured(node))
     if not isinstance(node, dict):
         raise RecipeError(f"'{where}' must be a mapping with a 'kind', got {node!r}")
     kind = node.get("kind", default_kind)
@@ -551,7 +548,3 @@ def _check_references(recipe: RecipeConfig) -> None:
                     f"'model.{attr}s.{name}' is not used by any task; remove it or point a "
                     f"task's '{attr}' at it"
                 )
-
-
-def clone(recipe: RecipeConfig) -> RecipeConfig:
-    return copy.deepcopy(recipe)

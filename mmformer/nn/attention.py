@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .masks import MaskSpec
+from .masks import MaskSpec, to_additive
 from .positions import RotaryEmbedding
 
 KERNELS = ("auto", "eager", "sdpa", "flex")
@@ -288,10 +288,8 @@ class Attention(nn.Module):
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
             return eager_attention(q, k, v, dense, bias, dropout_p)
         attn_mask = dense
-        if bias is not None:  # sdpa takes one additive float mask: ALiBi plus the mask's -inf
-            attn_mask = (
-                bias.to(q.dtype) if dense is None else bias.to(q.dtype).masked_fill(~dense, float("-inf"))
-            )
+        if bias is not None:  # sdpa takes one additive float mask: ALiBi plus the mask's own additive form
+            attn_mask = bias.to(q.dtype) if dense is None else bias.to(q.dtype) + to_additive(dense, q.dtype)
         with self._sdpa_context(q):
             out = F.scaled_dot_product_attention(
                 q,

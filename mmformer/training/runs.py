@@ -127,11 +127,9 @@ def recipe_changes(old_yaml: str, new_yaml: str) -> list[str]:
     ]
 
 
-def describe_resume(run: Run, recipe_yaml: str) -> str:
-    """What is being resumed: run, checkpoint, its step, and how the recipe differs from the run's."""
-    import torch
-
-    ckpt = torch.load(run.resume_from, map_location="cpu", weights_only=True, mmap=True)
+def describe_resume(run: Run, recipe_yaml: str, ckpt: dict) -> str:
+    """What is being resumed: run, checkpoint (``ckpt``, already loaded), its step, and how the recipe
+    differs from the run's."""
     lines = [
         f"resuming run {run.run_id} from {run.resume_from} "
         f"(epoch {ckpt.get('epoch', '?')}, global step {ckpt.get('global_step', '?')})"
