@@ -44,6 +44,7 @@ class BackboneConfig:
     norm_eps: float = 1e-6
     act: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
     qkv_bias: bool = True
+    proj_bias: bool = True  # attention output bias (Llama: false)
     mlp_bias: bool = True
     qk_norm: bool = False
     drop: float = 0.0

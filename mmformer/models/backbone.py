@@ -8,6 +8,7 @@ Tokenizers own embeddings (absolute positions included), heads own pooling and o
   GPT-2                     ``… causal=True, act="gelu_tanh"``
   Llama / SmolLM            ``… causal=True, norm="rmsnorm", act="swiglu", positions="rope",
                             n_kv_heads=3, qkv_bias=False, mlp_bias=False``
+                            (``mmformer.models.pretrained`` imports the real weights)
   BERT (post-norm)          ``… block="post", norm_eps=1e-12``
   Whisper decoder           ``… causal=True, block="cross"``  (forward with ``context=``)
   DiT                       ``… block="adaln", d_cond=D``      (forward with ``cond=``)
@@ -172,6 +173,7 @@ def build_backbone(
     norm_eps: float = 1e-6,
     act: str = "gelu",
     qkv_bias: bool = True,
+    proj_bias: bool = True,
     mlp_bias: bool = True,
     qk_norm: bool = False,
     drop: float = 0.0,
@@ -194,8 +196,8 @@ def build_backbone(
     """A ``Backbone`` of ``n_layers`` blocks of family ``block`` (``pre``, ``post``, ``cross``, ``adaln``).
 
     Stochastic depth rises linearly over depth to ``drop_path`` (DeiT). ``mlp_hidden`` overrides
-    ``mlp_ratio · d_model`` (Llama-style sizes). Raises ``ValueError`` on an unknown family,
-    norm, activation or position scheme, or on indivisible head counts.
+    ``mlp_ratio · d_model`` (Llama-style sizes); ``proj_bias`` is the attention output bias. Raises
+    ``ValueError`` on an unknown family, norm, activation or position scheme, or on indivisible head counts.
     """
     if block not in BLOCKS:
         raise ValueError(f"unknown block {block!r}; choose from {BLOCKS}")
@@ -214,6 +216,7 @@ def build_backbone(
             cross=cross,
             d_context=d_context,
             sdpa_backend=sdpa_backend,
+            proj_bias=proj_bias,
         )
 
     blocks = []

@@ -148,6 +148,7 @@ class Attention(nn.Module):
         n_heads: query heads ``H``.
         n_kv_heads: key/value heads (``None`` → ``n_heads``; 1 = multi-query); must divide ``n_heads``.
         qkv_bias: bias on the input projections.
+        proj_bias: bias on the output projection (timm and BERT have one, Llama has none).
         attn_drop: dropout on attention weights (training only).
         proj_drop: dropout after the output projection.
         kernel: one of ``KERNELS``; can be switched later (``attn.kernel = "eager"``).
@@ -173,6 +174,7 @@ class Attention(nn.Module):
         cross: bool = False,
         d_context: int | None = None,
         sdpa_backend: str = "auto",
+        proj_bias: bool = True,
     ):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -192,7 +194,7 @@ class Attention(nn.Module):
             self.qkv = nn.Linear(d_model, (H + 2 * Hkv) * Dh, bias=qkv_bias)
         self.q_norm = nn.RMSNorm(Dh, eps=1e-6) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(Dh, eps=1e-6) if qk_norm else nn.Identity()
-        self.proj = nn.Linear(H * Dh, d_model)
+        self.proj = nn.Linear(H * Dh, d_model, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
 
     @property

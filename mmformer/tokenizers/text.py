@@ -10,7 +10,8 @@ Two halves (DESIGN.md):
     so a loss mask built from ``pad`` never hides a real end of text (a distinct ``<pad>`` is added to
     a user's tokenizer that has none or reuses ``eos``).
   * model side — ``TextEmbedding``: ids ``(B, N)`` → ``Tokens`` (token embedding, optional learned
-    absolute positions as GPT-2's ``wpe``), with positions counted from each row's first real token.
+    absolute positions as GPT-2's ``wpe``, optional BERT token types and embedding LayerNorm), with
+    positions counted from each row's first real token.
 
 Shape legend: B batch, N tokens, D model width, V vocabulary size.
 """
@@ -37,12 +38,17 @@ SPECIAL_TOKENS = {
 class TextTokenizer:
     """Byte-level BPE tokenizer with the special tokens mmformer relies on.
 
-    Build one with ``TextTokenizer.train(texts, vocab_size)`` or ``TextTokenizer.from_file(path)``.
-    Attributes ``bos_id``, ``eos_id``, ``pad_id``, ``image_id``, ``audio_id`` and ``vocab_size``.
+    Build one with ``TextTokenizer.train(texts, vocab_size)`` or ``TextTokenizer.from_file(path)``
+    (``mmformer.models.pretrained`` builds them from GGUF vocabularies and HF directories).
+    Attributes ``bos_id``, ``eos_id``, ``pad_id``, ``image_id``, ``audio_id``, ``vocab_size`` and
+    ``chat_template`` (the Jinja template an instruct model carries, or None).
     """
 
-    def __init__(self, tokenizer, special: dict[str, str] | None = None):
+    def __init__(self, tokenizer, special: dict[str, str] | None = None, chat_template: str | None = None):
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        tokenizer.no_padding()  # mmformer pads itself (a BERT tokenizer.json may pad every text to 128)
+        tokenizer.no_truncation()
         self.special = {**SPECIAL_TOKENS, **(special or {})}
         missing = [t for t in self.special.values() if tokenizer.token_to_id(t) is None]
         if missing:
@@ -89,7 +95,9 @@ class TextTokenizer:
         return cls(tok)
 
     @classmethod
-    def from_file(cls, path: str | Path, special: dict[str, str] | None = None) -> TextTokenizer:
+    def from_file(
+        cls, path: str | Path, special: dict[str, str] | None = None, chat_template: str | None = None
+    ) -> TextTokenizer:
         """Load a ``tokenizer.json`` (ours, or a user's byte-level BPE with its own special tokens:
         pass ``special={"bos": "<s>", "eos": "</s>", …}``). Raises ``FileNotFoundError``."""
         from tokenizers import Tokenizer
@@ -97,20 +105,58 @@ class TextTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
-        return cls(Tokenizer.from_file(str(path)), special)
+        return cls(Tokenizer.from_file(str(path)), special, chat_template)
 
     def save(self, path: str | Path) -> None:
         self.tokenizer.save(str(path))
 
     def to_json(self) -> str:
-        """The whole tokenizer as JSON text (stored in checkpoints, so they stand alone)."""
-        return self.tokenizer.to_str()
+        """The whole tokenizer as JSON text (stored in checkpoints, so they stand alone): the HF
+        ``tokenizer.json`` plus mmformer's special-token names and the chat template."""
+        import json
+
+        return json.dumps(
+            {
+                "tokenizer": self.tokenizer.to_str(),
+                "special": self.special,
+                "chat_template": self.chat_template,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str, special: dict[str, str] | None = None) -> TextTokenizer:
+        """Inverse of ``to_json``; a bare HF ``tokenizer.json`` text is accepted too."""
+        import json
+
         from tokenizers import Tokenizer
 
+        data = json.loads(text)
+        if "tokenizer" in data and "model" not in data:
+            return cls(
+                Tokenizer.from_str(data["tokenizer"]), special or data["special"], data["chat_template"]
+            )
         return cls(Tokenizer.from_str(text), special)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``[{"role": "user", "content": "…"}]``) with the model's Jinja chat
+        template, as transformers' ``apply_chat_template(tokenize=False)`` does (sandboxed Jinja,
+        ``trim_blocks`` and ``lstrip_blocks``). Raises ``ValueError`` when the tokenizer has none."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template (base models usually have none)")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.special.get("bos", ""),
+            eos_token=self.special.get("eos", ""),
+        )
 
     # ------------------------------------------------------------------ use
     @property
@@ -154,6 +200,8 @@ class TextEmbedding(nn.Module):
     Args:
         vocab_size: ``V``; d_model: ``D``; max_len: longest position with a learned embedding.
         n_pos_axes: position axes ``P`` of the model (the 1-D index is repeated on each).
+        type_vocab_size: BERT token types (segments) ``type_embed``; 0 for none.
+        norm, norm_eps, drop: LayerNorm and dropout over the summed embeddings (BERT's ``embeddings.LayerNorm``).
 
     ``forward(ids (B, N) long, valid (B, N) bool | None) → Tokens``; positions count from each row's
     first real token (left padding keeps positions). Raises ``ValueError`` beyond ``max_len``.
@@ -162,21 +210,34 @@ class TextEmbedding(nn.Module):
     modality = "text"
     num_prefix_tokens = 0
 
-    def __init__(self, vocab_size: int, d_model: int, max_len: int | None = None, n_pos_axes: int = 1):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        max_len: int | None = None,
+        n_pos_axes: int = 1,
+        type_vocab_size: int = 0,
+        norm: bool = False,
+        norm_eps: float = 1e-12,
+        drop: float = 0.0,
+    ):
         super().__init__()
         self.vocab_size, self.max_len, self.n_pos_axes = vocab_size, max_len, n_pos_axes
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos_embed = nn.Embedding(max_len, d_model) if max_len else None
+        self.type_embed = nn.Embedding(type_vocab_size, d_model) if type_vocab_size else None
+        self.norm = nn.LayerNorm(d_model, eps=norm_eps) if norm else nn.Identity()
+        self.drop = nn.Dropout(drop)
         self.init_weights()
 
     def init_weights(self) -> None:
-        """GPT-2 init: normal(0.02) token and position embeddings."""
-        nn.init.normal_(self.embed.weight, std=0.02)
-        if self.pos_embed is not None:
-            nn.init.normal_(self.pos_embed.weight, std=0.02)
+        """GPT-2 init: normal(0.02) token, position and token-type embeddings."""
+        for emb in (self.embed, self.pos_embed, self.type_embed):
+            if emb is not None:
+                nn.init.normal_(emb.weight, std=0.02)
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed.weight"}
+        return {"pos_embed.weight", "type_embed.weight"}
 
     def example_input(self, batch_size: int = 1, length: int | None = None) -> Tensor:
         """Zero ids ``(batch_size, length)``, ``length`` defaulting to ``max_len`` or 256 (FLOP counting)."""
@@ -188,8 +249,13 @@ class TextEmbedding(nn.Module):
         valid: Tensor | None = None,
         positions: Tensor | None = None,
         document: Tensor | None = None,
+        token_type: Tensor | None = None,
     ) -> Tokens:
-        """``document (B, N)``: packed-sequence ids; positions then restart at each document."""
+        """``document (B, N)``: packed-sequence ids; positions then restart at each document.
+        ``token_type (B, N)`` long: BERT's segment ids (default 0). Padded ids are never looked up, so a
+        pad id outside the embedding (one added to a pretrained vocabulary) is harmless."""
+        if valid is not None:
+            ids = ids.masked_fill(~valid, 0)
         x = self.embed(ids)  # (B, N, D)
         tokens = Tokens.from_embeddings(
             x, MODALITY_IDS["text"], valid=valid, positions=positions, n_pos_axes=self.n_pos_axes
@@ -207,5 +273,8 @@ class TextEmbedding(nn.Module):
                 raise ValueError(
                     f"position {int(pos.max())} is beyond max_len={self.max_len} of the text embedding"
                 )
-            tokens.x = x + self.pos_embed(pos)
+            x = x + self.pos_embed(pos)
+        if self.type_embed is not None:
+            x = x + self.type_embed(token_type if token_type is not None else torch.zeros_like(ids))
+        tokens.x = self.drop(self.norm(x))
         return tokens

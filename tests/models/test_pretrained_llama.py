@@ -1,0 +1,150 @@
+"""Real SmolLM2-135M-Instruct (GGUF, Q4_1) imported into mmformer equals transformers'
+``LlamaForCausalLM`` loaded from the same file; HF Llama directories import and export losslessly."""
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from mmformer.models.generate import generate  # noqa: E402
+from mmformer.models.pretrained import load_pretrained, resolve_pretrained  # noqa: E402
+from mmformer.models.pretrained.llama import build_llama, load_hf_llama, save_hf_llama  # noqa: E402
+
+PROMPT = "In the beginning God created the heaven and the earth. And the earth was without form, and void"
+TEXTS = [
+    PROMPT,
+    "  two spaces,\ttab,\n\nnewlines, émoji 🙂, 中文, numbers 1611 and 3.14",
+    "<|im_start|>user\nHi<|im_end|>",
+]
+
+
+def _smollm2_path():
+    try:
+        return resolve_pretrained("smollm2-135m-instruct")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def ours():
+    _smollm2_path()
+    p = load_pretrained("smollm2-135m-instruct")
+    p.model.eval()
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = _smollm2_path()
+    pytest.importorskip("accelerate")  # transformers needs it to read GGUF
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+def test_gguf_tokenizer_matches_transformers(ours, reference):
+    ref_tok, _ = reference
+    for text in TEXTS:
+        ids = ours.tokenizer.encode(text)
+        assert ids == ref_tok(text, add_special_tokens=False).input_ids
+        assert ours.tokenizer.decode(ids) == text
+    assert (ours.tokenizer.bos_id, ours.tokenizer.eos_id) == (ref_tok.bos_token_id, ref_tok.eos_token_id)
+    assert ours.tokenizer.pad_id != ours.tokenizer.eos_id  # the file sets pad = eos; ours never is
+
+
+def test_chat_template_matches_transformers(ours, reference):
+    ref_tok, _ = reference
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    for gen in (True, False):
+        assert ours.tokenizer.apply_chat_template(messages, gen) == ref_tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen
+        )
+
+
+def test_smollm2_logits_match_transformers(ours, reference):
+    _, ref = reference
+    ids = torch.tensor([ours.tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        got = ours.model(ids, "text", "lm")
+        want = ref(ids).logits
+    assert got.shape == want.shape == (1, ids.shape[1], 49152)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_smollm2_greedy_continuation_matches_transformers(ours, reference):
+    _, ref = reference
+    tok = ours.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = torch.tensor([tok.encode(prompt)])
+    got = generate(ours.model, "text", "lm", ids, torch.ones_like(ids, dtype=torch.bool), 24, eos_id=tok.eos_id)[0]
+    want = ref.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_id)[0, ids.shape[1] :]
+    want = want.tolist()
+    assert got == (want[: want.index(tok.eos_id)] if tok.eos_id in want else want)
+    assert "Paris" in tok.decode(got)
+
+
+def test_batched_left_padded_generation_equals_one_at_a_time(ours):
+    tok = ours.tokenizer
+    prompts = [PROMPT, "The capital of France is"]
+    seqs = [tok.encode(p) for p in prompts]
+    ids, valid = tok.pad_batch(seqs, side="left")
+    batched = generate(ours.model, "text", "lm", ids, valid, 8)
+    for s, b in zip(seqs, batched):
+        one = torch.tensor([s])
+        assert generate(ours.model, "text", "lm", one, torch.ones_like(one, dtype=torch.bool), 8)[0] == b
+
+
+def test_smollm2_exports_to_a_directory_transformers_loads(ours, tmp_path):
+    save_hf_llama(ours.model, ours.config, tmp_path, ours.tokenizer)
+    ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.tensor([ours.tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        torch.testing.assert_close(ref(ids).logits, ours.model(ids, "text", "lm"), rtol=0, atol=1e-4)
+    again, tok, _ = load_hf_llama(tmp_path)
+    assert tok.encode(TEXTS[1]) == ours.tokenizer.encode(TEXTS[1])
+    assert tok.chat_template == ours.tokenizer.chat_template
+    for (k, a), (_, b) in zip(again.state_dict().items(), ours.model.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_llama_directory_round_trip(tmp_path, tied):
+    cfg = transformers.LlamaConfig(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    model, tok, config = load_hf_llama(tmp_path / "hf")
+    assert tok is None
+    ids = torch.randint(0, 101, (2, 9))
+    with torch.no_grad():
+        want = ref(ids).logits
+        torch.testing.assert_close(model(ids, "text", "lm"), want, rtol=0, atol=1e-5)
+    save_hf_llama(model, config, tmp_path / "out")
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, want, rtol=0, atol=1e-6)
+    assert back.config.tie_word_embeddings == tied
+
+
+def test_unsupported_llama_options_are_refused():
+    base = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, vocab_size=10)
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        build_llama({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="head_dim"):
+        build_llama({**base, "head_dim": 32})
+
+
+def test_unknown_pretrained_name_lists_the_known_ones():
+    with pytest.raises(FileNotFoundError, match="smollm2-135m-instruct"):
+        load_pretrained("no-such-model")
