@@ -24,8 +24,12 @@ from .config import (
     ClassifierHeadConfig,
     ImageFolderDataConfig,
     LMHeadConfig,
+    PretrainedBackboneConfig,
+    PretrainedHeadConfig,
+    PretrainedTextConfig,
     RecipeConfig,
     RecipeError,
+    TextClassificationDataConfig,
     TextDataConfig,
     ViTPatchConfig,
     recipe_to_dict,
@@ -35,8 +39,11 @@ from .data.datamodule import MultiTaskDataModule
 from .data.image import cifar10_data, image_folder_data
 from .data.roots import DataError, DataNotFoundError, resolve_root
 from .data.text import corpus_split, text_data
+from .data.text_classification import text_classification_data
 from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
 from .models.heads import LMHead
+from .models.pretrained import Pretrained, load_pretrained, load_pretrained_tokenizer
+from .nn.lora import apply_lora
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
 from .tasks.language_model import CausalLMTask
@@ -95,6 +102,64 @@ def build_text_data(cfg: TextDataConfig, task, recipe: RecipeConfig):
     return text_data(cfg, text_tokenizer(recipe, task.tokenizer), recipe.seed)
 
 
+# --------------------------------------------------------------------------- pretrained weights
+# One build_model call loads each source once, so its tokenizer, backbone and head share tensors (a tied
+# LM head stays tied); a second build gets fresh modules.
+_BUILD_SESSION: dict[str, Pretrained] | None = None
+TEXT_TOKENIZER_KINDS = ("bpe", "pretrained")
+
+
+def _pretrained(source: str) -> Pretrained:
+    if _BUILD_SESSION is None:
+        return load_pretrained(source)
+    if source not in _BUILD_SESSION:
+        _BUILD_SESSION[source] = load_pretrained(source)
+    return _BUILD_SESSION[source]
+
+
+def _freeze(module, frozen: bool = True) -> None:
+    for p in module.parameters():
+        p.requires_grad_(not frozen)
+
+
+@register("backbone", "pretrained", PretrainedBackboneConfig)
+def build_pretrained_backbone(cfg: PretrainedBackboneConfig) -> Backbone:
+    backbone = _pretrained(cfg.source).model.backbone
+    if cfg.freeze_layers > len(backbone.blocks):
+        raise RecipeError(
+            f"'model.backbone.freeze_layers' is {cfg.freeze_layers} but {cfg.source} has "
+            f"{len(backbone.blocks)} blocks"
+        )
+    for block in backbone.blocks[: cfg.freeze_layers]:
+        _freeze(block)
+    return backbone
+
+
+@register("tokenizer", "pretrained", PretrainedTextConfig)
+def build_pretrained_text(cfg: PretrainedTextConfig, d_model: int) -> TextEmbedding:
+    embedding = _pretrained(cfg.source).model.tokenizers["text"]
+    if embedding.embed.embedding_dim != d_model:
+        raise RecipeError(
+            f"the {cfg.source} embeddings are {embedding.embed.embedding_dim} wide but the backbone is {d_model}"
+        )
+    if cfg.freeze:
+        _freeze(embedding)
+    return embedding
+
+
+@register("head", "pretrained", PretrainedHeadConfig)
+def build_pretrained_head(cfg: PretrainedHeadConfig, d_model: int, tokenizer):
+    (head,) = _pretrained(cfg.source).model.heads.values()
+    return head
+
+
+@register("dataset", "text_classification", TextClassificationDataConfig)
+def build_text_classification_data(cfg: TextClassificationDataConfig, task, recipe: RecipeConfig):
+    return text_classification_data(
+        cfg, text_tokenizer(recipe, task.tokenizer), _num_classes(task, recipe), recipe.seed
+    )
+
+
 @register("head", "classifier", ClassifierHeadConfig)
 def build_classifier(cfg: ClassifierHeadConfig, d_model: int, tokenizer) -> ClassifierHead:
     return ClassifierHead(
@@ -105,7 +170,10 @@ def build_classifier(cfg: ClassifierHeadConfig, d_model: int, tokenizer) -> Clas
 @register("task", "classification", ClassificationTaskConfig)
 def build_classification(cfg: ClassificationTaskConfig, recipe: RecipeConfig) -> ClassificationTask:
     head = recipe.model.heads[cfg.head]
-    return ClassificationTask(cfg.tokenizer, cfg.head, head.num_classes, "image", cfg.label_smoothing)
+    text = recipe.model.tokenizers[cfg.tokenizer].kind in TEXT_TOKENIZER_KINDS
+    return ClassificationTask(
+        cfg.tokenizer, cfg.head, head.num_classes, "text" if text else "image", cfg.label_smoothing
+    )
 
 
 @register("dataset", "image_folder", ImageFolderDataConfig)
@@ -144,6 +212,11 @@ def text_tokenizer(recipe: RecipeConfig, name: str) -> TextTokenizer:
     if name in _PINNED_TEXT_TOKENIZERS:
         return _PINNED_TEXT_TOKENIZERS[name]
     cfg = recipe.model.tokenizers[name]
+    if cfg.kind == "pretrained":
+        key = f"pretrained:{cfg.source}"
+        if key not in _TEXT_TOKENIZERS:
+            _TEXT_TOKENIZERS[key] = load_pretrained_tokenizer(cfg.source)
+        return _TEXT_TOKENIZERS[key]
     if cfg.path:
         key = f"file:{cfg.path}"
         if key not in _TEXT_TOKENIZERS:
@@ -179,23 +252,37 @@ def build_model(
     recipe: RecipeConfig, text_tokenizers: dict[str, TextTokenizer] | None = None
 ) -> MultimodalModel:
     """The composed model. ``text_tokenizers`` (name → TextTokenizer) skips loading or training BPEs
-    (e.g. the ones a checkpoint carries)."""
+    (e.g. the ones a checkpoint carries). Pretrained parts load their weights here; ``model.lora``
+    then wraps the backbone's linear layers and freezes the tokenizers and backbone."""
+    global _BUILD_SESSION
     m = recipe.model
-    backbone = lookup("backbone", m.backbone.kind).builder(m.backbone)
-    d = m.backbone.d_model
-    tokenizers = {}
-    for n, c in m.tokenizers.items():
-        if c.kind == "bpe":
-            tt = (text_tokenizers or {}).get(n) or text_tokenizer(recipe, n)
-            tokenizers[n] = lookup("tokenizer", c.kind).builder(c, d, tt.vocab_size)
-        else:
-            tokenizers[n] = lookup("tokenizer", c.kind).builder(c, d)
-    heads = {}
-    for name, cfg in m.heads.items():
-        readers = [t.tokenizer for t in recipe.tasks.values() if getattr(t, "head", None) == name]
-        tokenizer = tokenizers.get(readers[0]) if readers else None
-        heads[name] = lookup("head", cfg.kind).builder(cfg, d, tokenizer)
-    return MultimodalModel(tokenizers, backbone, heads)
+    _BUILD_SESSION = {}
+    try:
+        backbone = lookup("backbone", m.backbone.kind).builder(m.backbone)
+        d = backbone.d_model
+        tokenizers = {}
+        for n, c in m.tokenizers.items():
+            if c.kind == "bpe":
+                tt = (text_tokenizers or {}).get(n) or text_tokenizer(recipe, n)
+                tokenizers[n] = lookup("tokenizer", c.kind).builder(c, d, tt.vocab_size)
+            else:
+                tokenizers[n] = lookup("tokenizer", c.kind).builder(c, d)
+        heads = {}
+        for name, cfg in m.heads.items():
+            readers = [t.tokenizer for t in recipe.tasks.values() if getattr(t, "head", None) == name]
+            tokenizer = tokenizers.get(readers[0]) if readers else None
+            heads[name] = lookup("head", cfg.kind).builder(cfg, d, tokenizer)
+    finally:
+        _BUILD_SESSION = None
+    model = MultimodalModel(tokenizers, backbone, heads)
+    if m.lora is not None:
+        _freeze(model.tokenizers)
+        _freeze(model.backbone)
+        try:
+            apply_lora(model, tuple(m.lora.targets), m.lora.rank, m.lora.alpha, m.lora.dropout, "backbone")
+        except ValueError as e:
+            raise RecipeError(f"'model.lora.targets': {e}") from None
+    return model
 
 
 def build_module(
@@ -211,7 +298,7 @@ def build_module(
     module.tokenizer_files = {
         n: ((text_tokenizers or {}).get(n) or text_tokenizer(recipe, n)).to_json()
         for n, c in recipe.model.tokenizers.items()
-        if c.kind == "bpe"
+        if c.kind in TEXT_TOKENIZER_KINDS
     }
     return module
 
@@ -306,6 +393,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         deterministic=t.deterministic,
         enable_progress_bar=t.enable_progress_bar,
         enable_model_summary=False,  # the CLI prints parameters and FLOPs per sample instead
+        inference_mode=False,  # no_grad: metric states stay usable when validate_first runs before fit
         default_root_dir=str(run.dir),
         use_distributed_sampler=False,  # the datamodule shards itself (no padded evaluation)
         logger=loggers,

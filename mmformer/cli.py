@@ -1,4 +1,4 @@
-"""``mmformer train | validate | generate | info | data`` — a thin layer over ``config`` and ``build``.
+"""``mmformer train | validate | generate | export | info | data`` — a thin layer over ``config`` and ``build``.
 
 mmformer train RECIPE.yaml [key=value ...]     e.g. optim.lr=3e-4 trainer.devices=2 resume=auto
 mmformer validate CHECKPOINT.ckpt [key=value ...]
@@ -78,6 +78,10 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
         trainer = build_trainer(recipe, run, module, extra_callbacks=[tracker, *extra_callbacks])
         if run.resume_from is not None and verbose:
             _say(describe_resume(run, recipe_to_yaml(recipe), resumed))
+        if recipe.trainer.validate_first and run.resume_from is None:  # the "before" numbers, at step 0
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+            if verbose:
+                _say("before training: " + _val_metrics(trainer))
         trainer.fit(
             module, datamodule=datamodule, ckpt_path=str(run.resume_from) if run.resume_from else None
         )
@@ -90,6 +94,11 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
         os.environ.pop(RUN_ID_ENV, None)
         os.environ.pop(RESUME_ENV, None)
     return trainer, run
+
+
+def _val_metrics(trainer) -> str:
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    return ", ".join(f"{k} {metrics[k]:.4f}" for k in sorted(metrics))
 
 
 def describe_model(model, recipe) -> list[str]:
@@ -181,38 +190,59 @@ def _pin_checkpoint_tokenizers(ckpt: dict | None) -> None:
     pin_text_tokenizers({n: TextTokenizer.from_json(j) for n, j in files.items()})
 
 
-def cmd_generate(args) -> int:
-    """Continue ``--prompt`` texts with a trained text model; the checkpoint carries its recipe and BPE."""
+def _generation_model(source: Path):
+    """``(model, text tokenizer, tokenizer name, head name)`` from an mmformer checkpoint (its recipe and
+    BPE travel inside) or from pretrained weights (a known name, a .gguf file, an HF Llama directory)."""
     import torch
 
     from .build import build_model
     from .config import RecipeError, recipe_from_yaml
-    from .models.generate import generate
     from .tokenizers.text import TextTokenizer
 
-    if not args.checkpoint.is_file():
-        raise FileNotFoundError(f"checkpoint {str(args.checkpoint)!r} does not exist")
-    ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    if not source.is_file() or source.suffix == ".gguf":
+        from .models.pretrained import load_pretrained
+
+        pretrained = load_pretrained(source)
+        if "lm" not in pretrained.model.heads:
+            raise UsageError(f"{source} is a {pretrained.family} encoder; generation needs a language model")
+        return pretrained.model, pretrained.tokenizer, "text", "lm"
+    ckpt = torch.load(source, map_location="cpu", weights_only=True)
     state = ckpt.get("mmformer", {})
     if "recipe_yaml" not in state:
-        raise RecipeError(f"{args.checkpoint} is not an mmformer training checkpoint (it carries no recipe)")
+        raise RecipeError(f"{source} is not an mmformer training checkpoint (it carries no recipe)")
     recipe = recipe_from_yaml(state["recipe_yaml"])
     text = {n: TextTokenizer.from_json(j) for n, j in state.get("tokenizers", {}).items()}
     task = next((t for t in recipe.tasks.values() if t.kind == "causal_lm"), None)
     if task is None or task.tokenizer not in text:
-        raise RecipeError(f"{args.checkpoint} has no causal language-model task to generate with")
+        raise RecipeError(f"{source} has no causal language-model task to generate with")
     model = build_model(recipe, text)
     model.load_state_dict(
         {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     )
-    tok = text[task.tokenizer]
-    ids, valid = tok.pad_batch([tok.encode(p) for p in args.prompt], side="left")
+    return model, text[task.tokenizer], task.tokenizer, task.head
+
+
+def cmd_generate(args) -> int:
+    """Continue ``--prompt`` texts with a trained text model or pretrained weights; ``--chat`` wraps each
+    prompt as a user message in the model's chat template."""
+    import torch
+
+    from .models.generate import generate
+
+    model, tok, tokenizer_name, head = _generation_model(args.checkpoint)
+    prompts = list(args.prompt)
+    if args.chat:
+        if not tok.chat_template:
+            raise UsageError(f"{args.checkpoint} carries no chat template; drop --chat")
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompts = [tok.apply_chat_template([*system, {"role": "user", "content": p}]) for p in prompts]
+    ids, valid = tok.pad_batch([tok.encode(p) for p in prompts], side="left")
     gen = torch.Generator().manual_seed(args.seed)
     try:
         outs = generate(
             model,
-            task.tokenizer,
-            task.head,
+            tokenizer_name,
+            head,
             ids,
             valid,
             args.max_new_tokens,
@@ -225,8 +255,25 @@ def cmd_generate(args) -> int:
     except ValueError as e:  # an empty or over-long prompt: the user's input, not a bug
         raise UsageError(str(e)) from None
     for prompt, out in zip(args.prompt, outs):
-        print(prompt + tok.decode(out))
+        print(tok.decode(out, skip_special=True) if args.chat else prompt + tok.decode(out))
         print("---")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Write a trained Llama-layout checkpoint (a fine-tuned SmolLM2, LoRA merged) as an HF directory."""
+    from .models.pretrained import llama_config, save_hf_llama
+    from .nn.lora import merge_lora
+
+    model, tok, _, _ = _generation_model(args.checkpoint)
+    merged = merge_lora(model)
+    try:
+        config = llama_config(model)
+    except ValueError as e:
+        raise UsageError(f"{args.checkpoint}: {e}") from None
+    save_hf_llama(model, config, args.out, tok)
+    extra = f" ({merged} LoRA adapters merged)" if merged else ""
+    print(f"wrote an HF Llama directory to {args.out}{extra}; load it with LlamaForCausalLM.from_pretrained")
     return 0
 
 
@@ -291,19 +338,35 @@ def _parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=cmd_validate)
     g = sub.add_parser(
         "generate",
-        help="continue a text prompt with a trained language model",
+        help="continue a text prompt with a trained or pretrained language model",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Continue prompts; stops at eos or at the end of the model's context (max_len of learned "
         "positions).",
     )
-    g.add_argument("checkpoint", type=Path, help="a .ckpt of a recipe with a causal_lm task")
+    g.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a .ckpt of a recipe with a causal_lm task, or pretrained weights: a known name "
+        "(smollm2-135m-instruct), a .gguf file or an HF Llama directory",
+    )
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=64)
     g.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling mass, in (0, 1]")
     g.add_argument("--seed", type=int, default=0, help="sampling is seeded: the same seed repeats the output")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="system message for --chat (default: the template's)")
     g.set_defaults(fn=cmd_generate)
+    e = sub.add_parser(
+        "export",
+        help="write a Llama-layout checkpoint as an HF directory (LoRA adapters merged)",
+        description="The directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json "
+        "with the chat template) loads with transformers' LlamaForCausalLM.from_pretrained.",
+    )
+    e.add_argument("checkpoint", type=Path, help="a .ckpt of a Llama-layout recipe, or pretrained weights")
+    e.add_argument("out", type=Path, help="output directory")
+    e.set_defaults(fn=cmd_export)
     i = sub.add_parser("info", help="print the resolved recipe, parameter count and FLOPs per sample")
     i.add_argument("recipe", type=Path)
     i.add_argument("overrides", nargs="*", help="key=value recipe overrides")

@@ -270,12 +270,84 @@ class TextDataConfig:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
+@dataclass
+class PretrainedBackboneConfig:
+    """``model.backbone`` of kind ``pretrained``: the backbone of real pretrained weights
+    (``mmformer.models.pretrained``: a known name, a ``.gguf`` file or an HF Llama / BERT directory)."""
+
+    kind: str = "pretrained"
+    source: str = MISSING  # smollm2-135m-instruct | all-minilm-l6-v2 | PATH
+    freeze_layers: int = 0  # freeze the first k blocks (the tokenizer's `freeze` freezes the embeddings)
+
+    def __post_init__(self) -> None:
+        if self.freeze_layers < 0:
+            raise ValueError(f"freeze_layers must be >= 0, got {self.freeze_layers}")
+
+
+@dataclass
+class PretrainedTextConfig:
+    """``model.tokenizers.<name>`` of kind ``pretrained``: the text tokenizer (vocabulary, special
+    tokens, chat template) and embeddings of pretrained weights; usually the backbone's ``source``."""
+
+    kind: str = "pretrained"
+    source: str = MISSING
+    freeze: bool = False  # keep the embeddings (and a head tied to them) fixed
+
+
+@dataclass
+class PretrainedHeadConfig:
+    """``model.heads.<name>`` of kind ``pretrained``: the head the weights carry (``lm`` of a Llama,
+    ``embedding`` — mean pool + L2 — of a sentence encoder)."""
+
+    kind: str = "pretrained"
+    source: str = MISSING
+
+
+@dataclass
+class LoRAConfig:
+    """``model.lora``: low-rank adapters on the backbone's linear layers; the tokenizers and backbone are
+    frozen, only the adapters and the heads the weights do not carry train (Hu et al. 2021)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+
+    def __post_init__(self) -> None:
+        _positive(self, "rank")
+        _probability(self, "dropout")
+        allowed = {"qkv", "proj", "fc1", "fc2", "q", "kv"}
+        bad = [t for t in self.targets if t not in allowed]
+        if bad or not self.targets:
+            raise ValueError(f"targets {self.targets} must be a non-empty subset of {sorted(allowed)}")
+
+
+@dataclass
+class TextClassificationDataConfig:
+    """``tasks.<name>.data`` of kind ``text_classification``: JSONL manifests ``root/train.jsonl`` and
+    ``root/val.jsonl`` of ``{"text": …, "label": …}`` (label a class name); ``root/classes.txt``, when
+    present, fixes the class order. ``root`` is a path or a bundled name (``wordnet-supersenses``)."""
+
+    kind: str = "text_classification"
+    root: str = MISSING
+    max_len: int = 128  # tokens per text, special tokens included; longer texts are cut
+    batch_size: int = 32
+    val_batch_size: Optional[int] = None
+    num_workers: int = 0
+    drop_last: bool = True
+    limit_train: Optional[int] = None  # use the first N training examples (after a seeded shuffle)
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_len", "batch_size", "val_batch_size", "limit_train")
+
+
 # --------------------------------------------------------------------------- top-level sections
 @dataclass
 class ModelConfig:
     tokenizers: dict[str, Any] = field(default_factory=dict)
     backbone: dict[str, Any] = field(default_factory=dict)
     heads: dict[str, Any] = field(default_factory=dict)
+    lora: Optional[LoRAConfig] = None
 
 
 @dataclass
@@ -291,6 +363,7 @@ class OptimConfig:
     warmup_steps: int = 0
     schedule: str = "cosine"  # cosine | linear | constant
     min_lr: float = 0.0
+    layer_decay: Optional[float] = None  # layer-wise LR decay: block i of L trains at lr · decay^(L - i)
 
     def __post_init__(self) -> None:
         if self.name != "adamw":
@@ -299,6 +372,8 @@ class OptimConfig:
             raise ValueError(f"schedule={self.schedule!r}; choose cosine | linear | constant")
         if len(self.betas) != 2:
             raise ValueError(f"betas needs 2 values, got {self.betas}")
+        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
+            raise ValueError(f"layer_decay must be in (0, 1], got {self.layer_decay}")
 
 
 @dataclass
@@ -322,6 +397,7 @@ class TrainerConfig:
     limit_train_batches: Optional[Any] = None
     limit_val_batches: Optional[Any] = None
     num_sanity_val_steps: int = 2
+    validate_first: bool = False  # validate once before training (a fine-tune's "before" numbers)
     deterministic: Optional[bool] = None
     enable_progress_bar: bool = True
 

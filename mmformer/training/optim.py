@@ -13,18 +13,55 @@ import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: ``decay`` (matrices) and ``no_decay`` (ndim < 2, and ``model.no_weight_decay()``)."""
+def layer_id(name: str, n_layers: int) -> int:
+    """Depth of parameter ``name`` for layer-wise LR decay (BEiT's ``get_layer_id_for_vit``):
+    tokenizers (embeddings) 0, ``backbone.blocks.i`` i + 1, the final norm and heads ``n_layers + 1``."""
+    if name.startswith("tokenizers."):
+        return 0
+    if name.startswith("backbone.blocks."):
+        return int(name.split(".")[2]) + 1
+    return n_layers + 1
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
+    """``decay`` (matrices) and ``no_decay`` (ndim < 2, and ``model.no_weight_decay()``) groups of the
+    trainable parameters (frozen ones are left out).
+
+    With ``layer_decay`` (layer-wise LR decay, Clark et al. 2020 ELECTRA §A; BEiT, Bao et al. 2021) each
+    group is split by depth and carries ``lr_scale = layer_decay ** (n_layers + 1 - layer_id)``: heads
+    train at the full LR, each block below at ``layer_decay`` times the one above, embeddings lowest.
+    """
     skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
-    decay, no_decay = [], []
+    n_layers = len(model.backbone.blocks) if hasattr(model, "backbone") else 0
+    groups: dict[tuple[str, int], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or name in skip else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-    ]
+        kind = "no_decay" if p.ndim < 2 or name in skip else "decay"
+        depth = layer_id(name, n_layers) if layer_decay is not None else n_layers + 1
+        group = groups.setdefault(
+            (kind, depth),
+            {
+                "params": [],
+                "weight_decay": weight_decay if kind == "decay" else 0.0,
+                "name": kind if layer_decay is None else f"{kind}/layer_{depth}",
+                "lr_scale": 1.0 if layer_decay is None else layer_decay ** (n_layers + 1 - depth),
+            },
+        )
+        group["params"].append(p)
+    if layer_decay is None:  # always both groups, in this order, even when one is empty
+        for kind in ("decay", "no_decay"):
+            groups.setdefault(
+                (kind, n_layers + 1),
+                {
+                    "params": [],
+                    "weight_decay": weight_decay if kind == "decay" else 0.0,
+                    "name": kind,
+                    "lr_scale": 1.0,
+                },
+            )
+        return [groups[("decay", n_layers + 1)], groups[("no_decay", n_layers + 1)]]
+    return [groups[k] for k in sorted(groups, key=lambda k: (k[1], k[0]))]
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float) -> float:
@@ -43,15 +80,20 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    """``cfg``: ``OptimConfig``."""
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
-    )
+    """``cfg``: ``OptimConfig``. Each group's LR is ``cfg.lr · lr_scale`` (the schedule multiplies it).
+    Raises ``ValueError`` when no parameter is trainable."""
+    groups = param_groups(model, cfg.weight_decay, getattr(cfg, "layer_decay", None))
+    if not any(p.requires_grad for g in groups for p in g["params"]):
+        raise ValueError("every parameter is frozen: nothing to train")
+    for g in groups:
+        g["lr"] = cfg.lr * g["lr_scale"]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """One warmup + decay shape for every group (LambdaLR scales each group's own initial LR)."""
     min_ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
 
     def factor(step: int) -> float:

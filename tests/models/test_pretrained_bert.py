@@ -73,4 +73,6 @@ def test_padding_changes_nothing(minilm):
         batched = p.model(ids, "text", "embedding", valid=valid)
         for i, t in enumerate(TEXTS):
             one, v = _batch(p.tokenizer, [t])
-            torch.testing.assert_close(p.model(one, "text", "embedding", valid=v)[0], batched[i], rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                p.model(one, "text", "embedding", valid=v)[0], batched[i], rtol=0, atol=1e-6
+            )

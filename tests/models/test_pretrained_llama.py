@@ -39,7 +39,9 @@ def reference():
     path = _smollm2_path()
     pytest.importorskip("accelerate")  # transformers needs it to read GGUF
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     return tok, model.eval()
 
 
@@ -77,7 +79,9 @@ def test_smollm2_greedy_continuation_matches_transformers(ours, reference):
     tok = ours.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     ids = torch.tensor([tok.encode(prompt)])
-    got = generate(ours.model, "text", "lm", ids, torch.ones_like(ids, dtype=torch.bool), 24, eos_id=tok.eos_id)[0]
+    got = generate(
+        ours.model, "text", "lm", ids, torch.ones_like(ids, dtype=torch.bool), 24, eos_id=tok.eos_id
+    )[0]
     want = ref.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_id)[0, ids.shape[1] :]
     want = want.tolist()
     assert got == (want[: want.index(tok.eos_id)] if tok.eos_id in want else want)
@@ -138,7 +142,9 @@ def test_hf_llama_directory_round_trip(tmp_path, tied):
 
 
 def test_unsupported_llama_options_are_refused():
-    base = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, vocab_size=10)
+    base = dict(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, vocab_size=10
+    )
     with pytest.raises(ValueError, match="RoPE scaling"):
         build_llama({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="head_dim"):

@@ -59,3 +59,28 @@ def test_scheduler_drives_optimizer_lr():
         sched.step()
     assert lrs[0] == pytest.approx(2.5e-3) and lrs[3] == pytest.approx(1e-2)
     assert lrs[-1] > 1e-3 and opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_layer_decay_scales_lr_by_depth_and_skips_frozen_parameters():
+    from mmformer.models.pretrained.llama import build_llama
+    from mmformer.training.optim import build_optimizer
+
+    model = build_llama(
+        dict(hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32, vocab_size=20)
+    )
+    model.backbone.blocks[0].requires_grad_(False)
+
+    class Cfg:
+        lr, weight_decay, betas, eps, layer_decay = 1.0, 0.1, (0.9, 0.99), 1e-8, 0.5
+
+    opt = build_optimizer(model, Cfg)
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    assert lr_of[id(model.tokenizers.text.embed.weight)] == 0.5**4  # embeddings: depth 0 of L + 1 = 4
+    assert id(model.backbone.blocks[0].attn.qkv.weight) not in lr_of  # frozen: not optimised at all
+    assert lr_of[id(model.backbone.blocks[1].attn.qkv.weight)] == 0.5**2
+    assert lr_of[id(model.backbone.blocks[2].mlp.fc1.weight)] == 0.5
+    assert lr_of[id(model.backbone.norm.weight)] == 1.0
+    decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert (
+        id(model.backbone.norm.weight) not in decay and id(model.backbone.blocks[2].mlp.fc1.weight) in decay
+    )

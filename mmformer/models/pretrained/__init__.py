@@ -18,8 +18,8 @@ import torch
 
 from ...tokenizers.text import TextTokenizer
 from ..model import MultimodalModel
-from .bert import SentenceEmbeddingHead, build_bert, load_hf_bert
-from .llama import build_llama, load_gguf_llama, load_hf_llama, save_hf_llama
+from .bert import BERT_SPECIAL, SentenceEmbeddingHead, build_bert, load_hf_bert
+from .llama import build_llama, llama_config, load_gguf_llama, load_hf_llama, save_hf_llama
 
 
 @dataclass
@@ -64,6 +64,23 @@ def resolve_pretrained(name_or_path: str | Path) -> Path:
     return path
 
 
+def load_pretrained_tokenizer(name_or_path: str | Path) -> TextTokenizer:
+    """Only the data-side tokenizer of pretrained weights (no tensors are read)."""
+    path = resolve_pretrained(name_or_path)
+    if path.is_file():
+        from .gguf import read_gguf, tokenizer_from_gguf
+
+        return tokenizer_from_gguf(read_gguf(path).metadata)
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no tokenizer.json")
+    if json.loads((path / "config.json").read_text()).get("model_type") == "bert":
+        return TextTokenizer.from_file(path / "tokenizer.json", BERT_SPECIAL)
+    tc_path = path / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+    special = {n: tc[f"{n}_token"] for n in ("bos", "eos", "pad") if isinstance(tc.get(f"{n}_token"), str)}
+    return TextTokenizer.from_file(path / "tokenizer.json", special, tc.get("chat_template"))
+
+
 def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> Pretrained:
     """Load a known name, a ``.gguf`` file or an HF directory. Raises ``FileNotFoundError`` /
     ``ValueError`` (unsupported architecture, weights that do not fit)."""
@@ -89,10 +106,12 @@ __all__ = [
     "SentenceEmbeddingHead",
     "build_bert",
     "build_llama",
+    "llama_config",
     "load_gguf_llama",
     "load_hf_bert",
     "load_hf_llama",
     "load_pretrained",
+    "load_pretrained_tokenizer",
     "resolve_pretrained",
     "save_hf_llama",
 ]

@@ -139,6 +139,54 @@ def mmformer_to_hf(model: MultimodalModel, config: dict) -> dict[str, Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def llama_config(model: MultimodalModel) -> dict:
+    """The HF ``LlamaConfig`` dict of an mmformer model with the Llama layout (imported, fine-tuned, or
+    trained from scratch with rmsnorm + swiglu + rope + causal and no absolute positions).
+
+    Raises ``ValueError`` naming the first part that is not Llama-shaped.
+    """
+    from ...nn.blocks import Block
+    from ...nn.lora import LoRALinear
+    from ...nn.mlp import SwiGLU
+
+    bb, emb = model.backbone, model.tokenizers["text"] if "text" in model.tokenizers else None
+    head = model.heads["lm"] if "lm" in model.heads else None
+    block = bb.blocks[0]
+    problems = [
+        (emb is None or head is None, "a 'text' tokenizer and an 'lm' head"),
+        (not isinstance(block, Block), "pre-norm blocks"),
+        (not isinstance(bb.norm, torch.nn.RMSNorm), "RMSNorm"),
+        (not isinstance(block.mlp, SwiGLU), "a SwiGLU MLP"),
+        (bb.positions != "rope" or not bb.causal, "causal attention with RoPE"),
+        (
+            emb is not None and (emb.pos_embed is not None or emb.type_embed is not None),
+            "no absolute positions",
+        ),
+        (any(isinstance(m, LoRALinear) for m in model.modules()), "merged LoRA adapters (merge_lora first)"),
+    ]
+    for bad, what in problems:
+        if bad:
+            raise ValueError(f"the model is not Llama-shaped: the Llama layout needs {what}")
+    attn = block.attn
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": bb.d_model,
+        "num_hidden_layers": bb.n_layers,
+        "num_attention_heads": attn.n_heads,
+        "num_key_value_heads": attn.n_kv_heads,
+        "intermediate_size": block.mlp.fc2.in_features,
+        "rms_norm_eps": float(bb.norm.eps),
+        "rope_theta": float(bb.rope.base),
+        "vocab_size": emb.embed.num_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": attn.qkv.bias is not None,
+        "mlp_bias": block.mlp.fc1.bias is not None,
+        "tie_word_embeddings": head.head.weight is emb.embed.weight,
+        "torch_dtype": "float32",
+    }
+
+
 def _load_into(model: MultimodalModel, sd: dict[str, Tensor]) -> MultimodalModel:
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
