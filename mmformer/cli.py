@@ -101,6 +101,17 @@ def _val_metrics(trainer) -> str:
     return ", ".join(f"{k} {metrics[k]:.4f}" for k in sorted(metrics))
 
 
+def _named_parts(recipe):
+    m = recipe.model
+    yield "backbone", m.backbone
+    yield from ((f"tokenizers.{n}", c) for n, c in m.tokenizers.items())
+    yield from ((f"heads.{n}", c) for n, c in m.heads.items())
+
+
+def _parts(recipe):
+    return [c for _, c in _named_parts(recipe)]
+
+
 def describe_model(model, recipe) -> list[str]:
     """Parameter counts per part and FLOPs per sample for each task (counted on the eager path)."""
     from .models import count_flops
@@ -111,6 +122,31 @@ def describe_model(model, recipe) -> list[str]:
     total = sum(x.numel() for x in model.parameters())  # shared (tied) tensors counted once
     shared = " — tied weights counted once in the total" if total != sum(parts.values()) else ""
     lines = [f"parameters: {total:,} (" + ", ".join(f"{k} {v:,}" for k, v in parts.items()) + f"{shared})"]
+    trainable = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    if trainable != total:  # frozen parts or LoRA: say what actually trains
+        parts = [(f"tokenizers.{n}", m) for n, m in model.tokenizers.items()]
+        parts += [(f"backbone.blocks.{i}", b) for i, b in enumerate(model.backbone.blocks)]
+        parts += [
+            ("backbone.norm", model.backbone.norm),
+            *((f"heads.{n}", m) for n, m in model.heads.items()),
+        ]
+        frozen = [
+            n
+            for n, m in parts
+            if any(True for _ in m.parameters()) and not any(p.requires_grad for p in m.parameters())
+        ]
+        blocks = [n for n in frozen if n.startswith("backbone.blocks.")]
+        if len(blocks) > 1:
+            frozen = [n for n in frozen if n not in blocks[1:]]
+            frozen[frozen.index(blocks[0])] = f"backbone.blocks.0-{blocks[-1].rsplit('.', 1)[1]}"
+        what = f"frozen: {', '.join(frozen)}" if frozen else ""
+        if recipe.model.lora is not None:
+            lora = recipe.model.lora
+            what = f"LoRA rank {lora.rank} on {', '.join(lora.targets)}; the pretrained weights are frozen"
+        lines.append(f"trainable: {trainable:,} ({100 * trainable / total:.1f} %); {what}")
+    for source in sorted({getattr(c, "source", None) for c in _parts(recipe)} - {None}):
+        names = [w for w, c in _named_parts(recipe) if getattr(c, "source", None) == source]
+        lines.append(f"pretrained {source}: loaded {', '.join(names)}")
     for name, task in recipe.tasks.items():
         tok = model.tokenizers[task.tokenizer]
         if hasattr(tok, "example_input"):
@@ -292,9 +328,10 @@ def cmd_data(args) -> int:
     from .data.roots import data_root
 
     if args.action == "list":
+        width = max(len(n) for n in BUNDLED)
         for name, b in BUNDLED.items():
             state = "prepared" if b.is_prepared(data_root() / name) else "not prepared"
-            print(f"{name:12s} {state:13s} {b.description}")
+            print(f"{name:{width}s} {state:13s} {b.description}")
         return 0
     if not args.name:
         raise SystemExit("usage: mmformer data prepare NAME  (see: mmformer data list)")

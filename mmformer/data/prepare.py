@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +119,46 @@ def build_kjv(out: Path) -> None:
     )
 
 
+def _one_document(text: str) -> str:
+    """A document never contains a blank line (blank lines separate documents in a corpus file)."""
+    return re.sub(r"\n\s*\n+", "\n", text.strip("\n")).rstrip()
+
+
+FORTUNES_DIR = Path("/usr/share/games/fortunes")
+
+
+def build_fortunes(out: Path, source: Path = FORTUNES_DIR) -> None:
+    """Debian ``fortunes`` (the non-offensive set) → ``fortunes.txt``: one quip per document. Curated:
+    the ascii-art file and quips that are mostly drawing characters (under 60 % letters and spaces)
+    are dropped."""
+    files = sorted(f for f in source.glob("*") if f.is_file() and not f.suffix and f.name != "ascii-art")
+    if not files:
+        raise DataError(f"no fortune files in {source}; install them with: apt-get install fortunes")
+    docs = []
+    for f in files:
+        for quip in f.read_text(encoding="utf-8", errors="replace").split("\n%\n"):
+            quip = _one_document(quip.replace("\t", "    "))
+            prose = sum(c.isalpha() or c.isspace() for c in quip)
+            if len(quip) >= 20 and prose >= 0.6 * len(quip):
+                docs.append(quip)
+    (out / "fortunes.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    (out / "README.md").write_text(
+        f"Debian fortunes ({len(files)} files, curated): {len(docs)} quips, one document each.\n"
+    )
+
+
+def build_python_docs(out: Path) -> None:
+    """The Python language reference topics shipped in the standard library (``pydoc_data.topics``,
+    PSF licence) → ``python-docs.txt``: one topic per document."""
+    from pydoc_data.topics import topics
+
+    docs = [_one_document(topics[k]) for k in sorted(topics)]
+    (out / "python-docs.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    (out / "README.md").write_text(
+        f"Python {sys.version.split()[0]} reference topics (pydoc_data.topics): {len(docs)} documents.\n"
+    )
+
+
 # WordNet's 45 lexicographer files (lexnames(5WN)), in file-number order: the supersense of each synset.
 LEXNAMES = (
     "adj.all adj.pert adv.all noun.Tops noun.act noun.animal noun.artifact noun.attribute noun.body "
@@ -174,6 +215,12 @@ BUNDLED: dict[str, Bundled] = {
     ),
     "kjv": Bundled(
         "kjv", "King James Bible, 4.2 MB of English, 1,189 chapter documents (apt bible-kjv)", build_kjv
+    ),
+    "fortunes": Bundled(
+        "fortunes", "Debian fortunes, 2.6 MB of curated quips (15k documents) (apt fortunes)", build_fortunes
+    ),
+    "python-docs": Bundled(
+        "python-docs", "Python reference topics from the standard library, 0.46 MB", build_python_docs
     ),
     "wordnet-supersenses": Bundled(
         "wordnet-supersenses",

@@ -96,3 +96,33 @@ def test_wordnet_supersenses_from_the_wordnet_file_format(tmp_path):
         ("move fast by using one's feet", "verb.motion", "run"),
     ]
     assert (out / "classes.txt").read_text().split() == LEXNAMES and len(LEXNAMES) == 45
+
+
+def test_fortunes_are_curated_into_one_document_per_quip(tmp_path):
+    from mmformer.data.prepare import build_fortunes
+    from mmformer.data.text import read_documents
+
+    src, out = tmp_path / "fortunes", tmp_path / "out"
+    src.mkdir(), out.mkdir()
+    (src / "wisdom").write_text(
+        "A quip that has\n\na blank line inside it.\n%\n|\\_/|  /\\ /\\\n| o |  -=#=-  ##\n%\nshort\n%\n"
+        "He who laughs last thinks slowest.\n"
+    )
+    (src / "wisdom.dat").write_bytes(b"\x00\x01")  # index files are not text
+    (src / "ascii-art").write_text("Some drawing that is not prose at all, really not.\n")
+    build_fortunes(out, source=src)
+    assert read_documents(out) == [
+        "A quip that has\na blank line inside it.",
+        "He who laughs last thinks slowest.",
+    ]
+
+
+def test_python_docs_corpus_has_one_document_per_topic(tmp_path):
+    from pydoc_data.topics import topics
+
+    from mmformer.data.prepare import build_python_docs
+    from mmformer.data.text import read_documents
+
+    build_python_docs(tmp_path)
+    docs = read_documents(tmp_path)
+    assert len(docs) == len(topics) and docs[0].startswith(topics[sorted(topics)[0]].strip()[:30])
