@@ -16,6 +16,9 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from .config import (
+    ASTConfig,
+    AudioFolderDataConfig,
+    AudioManifestDataConfig,
     BackboneConfig,
     BPEConfig,
     CausalLMTaskConfig,
@@ -26,7 +29,7 @@ from .config import (
     LMHeadConfig,
     PretrainedBackboneConfig,
     PretrainedHeadConfig,
-    PretrainedTextConfig,
+    PretrainedTokenizerConfig,
     RecipeConfig,
     RecipeError,
     TextClassificationDataConfig,
@@ -35,6 +38,7 @@ from .config import (
     recipe_to_dict,
     recipe_to_yaml,
 )
+from .data.audio import audio_classification_data
 from .data.datamodule import MultiTaskDataModule
 from .data.image import cifar10_data, image_folder_data
 from .data.roots import DataError, DataNotFoundError, resolve_root
@@ -42,12 +46,19 @@ from .data.text import corpus_split, text_data
 from .data.text_classification import text_classification_data
 from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
 from .models.heads import LMHead
-from .models.pretrained import Pretrained, load_pretrained, load_pretrained_tokenizer
+from .models.pretrained import (
+    FAMILY_MODALITY,
+    Pretrained,
+    load_pretrained,
+    load_pretrained_tokenizer,
+    pretrained_family,
+)
 from .nn.lora import apply_lora
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
 from .tasks.language_model import CausalLMTask
 from .tokenizers import ViTPatchTokenizer
+from .tokenizers.audio import ASTPatchTokenizer, AudioPreprocess, LogMel, SpecAugment
 from .tokenizers.text import TextEmbedding, TextTokenizer
 from .training.callbacks import BadSampleReport, TextSamples, ThroughputLogger
 from .training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
@@ -75,6 +86,36 @@ def build_vit_patch(cfg: ViTPatchConfig, d_model: int) -> ViTPatchTokenizer:
         tuple(cfg.mean),
         tuple(cfg.std),
     )
+
+
+@register("tokenizer", "ast", ASTConfig)
+def build_ast(cfg: ASTConfig, d_model: int) -> ASTPatchTokenizer:
+    mel = LogMel(cfg.sample_rate, cfg.n_fft, cfg.hop_length, cfg.n_mels, cfg.f_min, cfg.f_max)
+    return ASTPatchTokenizer(
+        d_model,
+        mel,
+        tuple(cfg.patch_size),
+        tuple(cfg.patch_stride),
+        cfg.max_frames,
+        SpecAugment(cfg.freq_mask, cfg.time_mask),
+    )
+
+
+def _audio_preprocess(tok_cfg) -> tuple[AudioPreprocess, AudioPreprocess]:
+    rate, seconds = tok_cfg.sample_rate, tok_cfg.max_seconds
+    return AudioPreprocess(rate, seconds, tok_cfg.random_crop), AudioPreprocess(rate, seconds)
+
+
+@register("dataset", "audio_folder", AudioFolderDataConfig)
+def build_audio_folder(cfg: AudioFolderDataConfig, task, recipe: RecipeConfig):
+    tok = recipe.model.tokenizers[task.tokenizer]
+    return audio_classification_data(cfg, _audio_preprocess(tok), _num_classes(task, recipe))
+
+
+@register("dataset", "audio_manifest", AudioManifestDataConfig)
+def build_audio_manifest(cfg: AudioManifestDataConfig, task, recipe: RecipeConfig):
+    tok = recipe.model.tokenizers[task.tokenizer]
+    return audio_classification_data(cfg, _audio_preprocess(tok), _num_classes(task, recipe))
 
 
 @register("tokenizer", "bpe", BPEConfig)
@@ -106,7 +147,15 @@ def build_text_data(cfg: TextDataConfig, task, recipe: RecipeConfig):
 # One build_model call loads each source once, so its tokenizer, backbone and head share tensors (a tied
 # LM head stays tied); a second build gets fresh modules.
 _BUILD_SESSION: dict[str, Pretrained] | None = None
-TEXT_TOKENIZER_KINDS = ("bpe", "pretrained")
+MODALITY_OF_KIND = {"bpe": "text", "ast": "audio", "vit_patch": "image"}
+
+
+def tokenizer_modality(cfg) -> str:
+    """``text``, ``audio`` or ``image``: what a tokenizer config reads (pretrained ones by their family);
+    users' own kinds declare a ``modality`` attribute on their config, default ``image``."""
+    if cfg.kind == "pretrained":
+        return FAMILY_MODALITY[pretrained_family(cfg.source)]
+    return MODALITY_OF_KIND.get(cfg.kind, getattr(cfg, "modality", "image"))
 
 
 def _pretrained(source: str) -> Pretrained:
@@ -135,22 +184,27 @@ def build_pretrained_backbone(cfg: PretrainedBackboneConfig) -> Backbone:
     return backbone
 
 
-@register("tokenizer", "pretrained", PretrainedTextConfig)
-def build_pretrained_text(cfg: PretrainedTextConfig, d_model: int) -> TextEmbedding:
-    embedding = _pretrained(cfg.source).model.tokenizers["text"]
-    if embedding.embed.embedding_dim != d_model:
-        raise RecipeError(
-            f"the {cfg.source} embeddings are {embedding.embed.embedding_dim} wide but the backbone is {d_model}"
-        )
+@register("tokenizer", "pretrained", PretrainedTokenizerConfig)
+def build_pretrained_tokenizer(cfg: PretrainedTokenizerConfig, d_model: int):
+    (tokenizer,) = _pretrained(cfg.source).model.tokenizers.values()
+    width = tokenizer.embed.embedding_dim if hasattr(tokenizer, "embed") else tokenizer.conv2.out_channels
+    if width != d_model:
+        raise RecipeError(f"the {cfg.source} tokenizer is {width} wide but the backbone is {d_model}")
+    if cfg.freq_mask or cfg.time_mask:
+        if not hasattr(tokenizer, "spec_augment"):
+            raise RecipeError(f"freq_mask / time_mask apply to audio; {cfg.source} is a text model")
+        tokenizer.spec_augment = SpecAugment(cfg.freq_mask, cfg.time_mask)
     if cfg.freeze:
-        _freeze(embedding)
-    return embedding
+        _freeze(tokenizer)
+    return tokenizer
 
 
 @register("head", "pretrained", PretrainedHeadConfig)
 def build_pretrained_head(cfg: PretrainedHeadConfig, d_model: int, tokenizer):
-    (head,) = _pretrained(cfg.source).model.heads.values()
-    return head
+    heads = list(_pretrained(cfg.source).model.heads.values())
+    if len(heads) != 1:
+        raise RecipeError(f"{cfg.source} carries no head to reuse; add a new head (e.g. kind: classifier)")
+    return heads[0]
 
 
 @register("dataset", "text_classification", TextClassificationDataConfig)
@@ -170,10 +224,8 @@ def build_classifier(cfg: ClassifierHeadConfig, d_model: int, tokenizer) -> Clas
 @register("task", "classification", ClassificationTaskConfig)
 def build_classification(cfg: ClassificationTaskConfig, recipe: RecipeConfig) -> ClassificationTask:
     head = recipe.model.heads[cfg.head]
-    text = recipe.model.tokenizers[cfg.tokenizer].kind in TEXT_TOKENIZER_KINDS
-    return ClassificationTask(
-        cfg.tokenizer, cfg.head, head.num_classes, "text" if text else "image", cfg.label_smoothing
-    )
+    key = tokenizer_modality(recipe.model.tokenizers[cfg.tokenizer])
+    return ClassificationTask(cfg.tokenizer, cfg.head, head.num_classes, key, cfg.label_smoothing)
 
 
 @register("dataset", "image_folder", ImageFolderDataConfig)
@@ -298,7 +350,7 @@ def build_module(
     module.tokenizer_files = {
         n: ((text_tokenizers or {}).get(n) or text_tokenizer(recipe, n)).to_json()
         for n, c in recipe.model.tokenizers.items()
-        if c.kind in TEXT_TOKENIZER_KINDS
+        if tokenizer_modality(c) == "text"
     }
     return module
 

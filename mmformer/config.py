@@ -271,6 +271,68 @@ class TextDataConfig:
 
 
 @dataclass
+class ASTConfig:
+    """``model.tokenizers.<name>`` of kind ``ast``: waveform → log-mel → 2-D (frequency × time) patches
+    (``mmformer.tokenizers.audio.ASTPatchTokenizer``); the data side resamples to ``sample_rate`` and
+    crops to ``max_seconds``."""
+
+    kind: str = "ast"
+    sample_rate: int = 16_000  # Hz
+    n_fft: int = 400  # samples (25 ms at 16 kHz)
+    hop_length: int = 160  # samples (10 ms)
+    n_mels: int = 80
+    f_min: float = 0.0  # Hz
+    f_max: Optional[float] = None  # Hz; None = Nyquist
+    patch_size: list[int] = field(default_factory=lambda: [16, 16])  # (mel bins, frames)
+    patch_stride: list[int] = field(default_factory=lambda: [16, 16])  # < patch_size: overlapping patches
+    max_seconds: float = 10.0
+    freq_mask: int = 0  # SpecAugment: widest frequency mask in mel bins (training only; 0 = off)
+    time_mask: int = 0  # SpecAugment: widest time mask in frames
+    random_crop: bool = False  # training clips longer than max_seconds: random window instead of the start
+
+    def __post_init__(self) -> None:
+        _positive(self, "sample_rate", "n_fft", "hop_length", "n_mels", "max_seconds")
+        for name in ("patch_size", "patch_stride"):
+            v = getattr(self, name)
+            if len(v) != 2 or min(v) < 1:
+                raise ValueError(f"{name} must be two positive ints (mel bins, frames), got {list(v)}")
+        if self.patch_size[0] > self.n_mels:
+            raise ValueError(f"patch_size[0]={self.patch_size[0]} exceeds n_mels={self.n_mels}")
+        if self.f_max is not None and self.f_max > self.sample_rate / 2:
+            raise ValueError(f"f_max={self.f_max} is above the Nyquist frequency {self.sample_rate / 2}")
+
+    @property
+    def max_frames(self) -> int:
+        return int(round(self.max_seconds * self.sample_rate)) // self.hop_length + 1
+
+
+@dataclass
+class AudioFolderDataConfig:
+    """``tasks.<name>.data`` of kind ``audio_folder``: ``root/<split>/<class>/<clip>`` (wav, flac, ogg, …);
+    ``root`` is a path or a bundled name (``spoken-words``)."""
+
+    kind: str = "audio_folder"
+    root: str = MISSING
+    train_split: str = "train"
+    val_split: str = "val"
+    batch_size: int = 32
+    val_batch_size: Optional[int] = None
+    num_workers: int = 0
+    drop_last: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "batch_size", "val_batch_size")
+
+
+@dataclass
+class AudioManifestDataConfig(AudioFolderDataConfig):
+    """``tasks.<name>.data`` of kind ``audio_manifest``: ``root/<split>.jsonl`` with one
+    ``{"audio": path, "label": …, "text": …}`` per line (``asterisk-en``)."""
+
+    kind: str = "audio_manifest"
+
+
+@dataclass
 class PretrainedBackboneConfig:
     """``model.backbone`` of kind ``pretrained``: the backbone of real pretrained weights
     (``mmformer.models.pretrained``: a known name, a ``.gguf`` file or an HF Llama / BERT directory)."""
@@ -285,13 +347,27 @@ class PretrainedBackboneConfig:
 
 
 @dataclass
-class PretrainedTextConfig:
-    """``model.tokenizers.<name>`` of kind ``pretrained``: the text tokenizer (vocabulary, special
-    tokens, chat template) and embeddings of pretrained weights; usually the backbone's ``source``."""
+class PretrainedTokenizerConfig:
+    """``model.tokenizers.<name>`` of kind ``pretrained``: the tokenizer and embeddings of pretrained
+    weights — text (vocabulary, special tokens, chat template) or audio (Whisper's log-mel and conv
+    stem); usually the backbone's ``source``."""
 
     kind: str = "pretrained"
     source: str = MISSING
-    freeze: bool = False  # keep the embeddings (and a head tied to them) fixed
+    freeze: bool = False  # keep the embeddings / stem (and a head tied to them) fixed
+    max_seconds: float = 30.0  # audio: longer clips are cut (Whisper has 30 s of positions)
+    random_crop: bool = False  # audio: training clips longer than max_seconds get a random window
+    freq_mask: int = 0  # audio: SpecAugment frequency mask width in mel bins (training only)
+    time_mask: int = 0  # audio: SpecAugment time mask width in frames
+
+    @property
+    def sample_rate(self) -> int:
+        return 16_000  # Whisper's
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_seconds")
+        if self.max_seconds > 30.0:
+            raise ValueError(f"max_seconds={self.max_seconds}: Whisper's encoder has 30 s of positions")
 
 
 @dataclass

