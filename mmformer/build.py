@@ -60,7 +60,7 @@ from .tasks.language_model import CausalLMTask
 from .tokenizers import ViTPatchTokenizer
 from .tokenizers.audio import ASTPatchTokenizer, AudioPreprocess, LogMel, SpecAugment
 from .tokenizers.text import TextEmbedding, TextTokenizer
-from .training.callbacks import BadSampleReport, TextSamples, ThroughputLogger
+from .training.callbacks import AudioSamples, BadSampleReport, TextSamples, ThroughputLogger
 from .training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
 from .training.loggers import build_loggers
 from .training.runs import Run, RunFolder
@@ -456,6 +456,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
             ThroughputLogger(),
             BadSampleReport(),
             TextSamples(),
+            AudioSamples(),
             *progress,
             *extra_callbacks,
         ],

@@ -30,10 +30,12 @@ class AudioClips(Dataset):
     """``samples``: ``(path, label index)``; ``preprocess``: the tokenizer's data side. Items
     ``{"audio": (S,) float32, "label": int, "path": str, "bad_samples": [path, …]}``."""
 
-    def __init__(self, samples: list[tuple[str, int]], preprocess: AudioPreprocess):
+    def __init__(
+        self, samples: list[tuple[str, int]], preprocess: AudioPreprocess, classes: list[str] | None = None
+    ):
         if not samples:
             raise DataError("no audio clips found")
-        self.samples, self.preprocess = samples, preprocess
+        self.samples, self.preprocess, self.classes = samples, preprocess, classes
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -139,8 +141,8 @@ def audio_classification_data(
     if num_classes is not None and num_classes != len(classes):
         raise DataError(f"{root} has {len(classes)} classes but the head has num_classes={num_classes}")
     return TaskData(
-        train=AudioClips(train, preprocess[0]),
-        val=AudioClips(val, preprocess[1]),
+        train=AudioClips(train, preprocess[0], classes),
+        val=AudioClips(val, preprocess[1], classes),
         collate=collate_audio,
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,

@@ -35,6 +35,7 @@ class ClassificationTask(nn.Module):
     ):
         super().__init__()
         self.tokenizer, self.head, self.input_key = tokenizer, head, input_key
+        self.num_classes = num_classes
         self.label_smoothing = label_smoothing
         # Metric states are summed over ranks at compute(): every validation sample counts once.
         self.val_metrics = nn.ModuleDict(

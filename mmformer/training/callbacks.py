@@ -166,3 +166,58 @@ class TextSamples(L.Callback):
                         data=[list(r) for r in rows],
                         step=trainer.global_step,
                     )
+
+
+class AudioSamples(L.Callback):
+    """After each validation, the first ``n`` validation clips of every audio classification task with
+    their true and predicted classes and the prediction's probability, as a W&B table
+    ``audio/<task>`` (playable ``wandb.Audio`` cells); ``last`` keeps the rows for other loggers."""
+
+    def __init__(self, n: int = 8):
+        self.n = n
+        self.last: dict[str, list[tuple[str, str, str, float]]] = {}
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        import torch
+        from lightning.pytorch.loggers import WandbLogger
+
+        from ..data.audio import collate_audio
+
+        for name, task in pl_module.tasks.items():
+            if getattr(task, "input_key", None) != "audio":
+                continue
+            val = trainer.datamodule.data[name].val
+            classes = getattr(val, "classes", None) or [str(i) for i in range(task.num_classes)]
+            items = [val[i] for i in range(min(self.n, len(val)))]
+            batch = collate_audio(items)
+            was_training = pl_module.training
+            pl_module.eval()
+            with torch.no_grad():
+                logits = task.logits(
+                    pl_module.model,
+                    {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()},
+                )
+            pl_module.train(was_training)
+            prob, pred = logits.float().softmax(-1).max(-1)
+            rows = [
+                (it["path"], classes[it["label"]], classes[int(p)], round(float(q), 3))
+                for it, p, q in zip(items, pred, prob)
+            ]
+            self.last[name] = rows
+            for lg in trainer.loggers:
+                if isinstance(lg, WandbLogger):
+                    import wandb
+
+                    rate = getattr(pl_module.model.tokenizers[task.tokenizer], "sample_rate", 16_000)
+                    data = [
+                        [wandb.Audio(it["audio"].numpy(), sample_rate=rate), *row[1:]]
+                        for it, row in zip(items, rows)
+                    ]
+                    lg.log_table(
+                        f"audio/{name}",
+                        columns=["audio", "label", "prediction", "probability"],
+                        data=data,
+                        step=trainer.global_step,
+                    )
