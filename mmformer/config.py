@@ -330,6 +330,7 @@ class AudioManifestDataConfig(AudioFolderDataConfig):
     ``{"audio": path, "label": …, "text": …}`` per line (``asterisk-en``)."""
 
     kind: str = "audio_manifest"
+    label_key: str = "label"  # the manifest field that is the class (asterisk-en also has "group")
 
 
 @dataclass

@@ -93,9 +93,9 @@ def folder_samples(
     return samples, classes
 
 
-def manifest_rows(path: Path) -> list[dict]:
+def manifest_rows(path: Path, label_key: str = "label") -> list[dict]:
     """Rows of a JSONL manifest; each needs ``audio`` (relative paths resolved against the manifest's
-    folder) and ``label``. Raises ``DataError`` naming ``file:line``."""
+    folder) and ``label_key`` (copied to ``label``). Raises ``DataError`` naming ``file:line``."""
     if not path.is_file():
         raise FileNotFoundError(f"audio manifest {str(path)!r} does not exist")
     rows = []
@@ -104,9 +104,11 @@ def manifest_rows(path: Path) -> list[dict]:
             continue
         try:
             row = json.loads(line)
-            audio, label = row["audio"], row["label"]
+            audio, label = row["audio"], row[label_key]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DataError(f'{path}:{n}: expected {{"audio": …, "label": …}} ({e})') from None
+            raise DataError(
+                f"{path}:{n}: expected a JSON object with 'audio' and {label_key!r} ({e})"
+            ) from None
         row["audio"] = str(Path(audio) if Path(audio).is_absolute() else path.parent / audio)
         row["label"] = str(label)
         rows.append(row)
@@ -127,10 +129,8 @@ def audio_classification_data(
         train, classes = folder_samples(root / cfg.train_split)
         val, _ = folder_samples(root / cfg.val_split, classes)
     else:
-        train_rows, val_rows = (
-            manifest_rows(root / f"{cfg.train_split}.jsonl"),
-            manifest_rows(root / f"{cfg.val_split}.jsonl"),
-        )
+        train_rows = manifest_rows(root / f"{cfg.train_split}.jsonl", cfg.label_key)
+        val_rows = manifest_rows(root / f"{cfg.val_split}.jsonl", cfg.label_key)
         classes = sorted({r["label"] for r in train_rows})
         index = {c: i for i, c in enumerate(classes)}
         unknown = sorted({r["label"] for r in val_rows} - set(index))
