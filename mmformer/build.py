@@ -52,6 +52,7 @@ from .models.pretrained import (
     load_pretrained,
     load_pretrained_tokenizer,
     pretrained_family,
+    resolve_pretrained,
 )
 from .nn.lora import apply_lora
 from .registry import lookup, register
@@ -154,16 +155,41 @@ def tokenizer_modality(cfg) -> str:
     """``text``, ``audio`` or ``image``: what a tokenizer config reads (pretrained ones by their family);
     users' own kinds declare a ``modality`` attribute on their config, default ``image``."""
     if cfg.kind == "pretrained":
-        return FAMILY_MODALITY[pretrained_family(cfg.source)]
+        pinned = _PINNED_PRETRAINED.get(cfg.source)
+        return FAMILY_MODALITY[pinned["family"] if pinned else pretrained_family(cfg.source)]
     return MODALITY_OF_KIND.get(cfg.kind, getattr(cfg, "modality", "image"))
 
 
+_PINNED_PRETRAINED: dict[str, dict] = {}
+
+
+def pin_pretrained(entries: dict[str, dict]) -> None:
+    """Build these pretrained sources (``{source: {"family", "config"}}``, what a checkpoint carries)
+    from their configs without reading their weights: the checkpoint's state dict supplies them, so a
+    fine-tuned checkpoint needs neither the original file nor its package."""
+    _PINNED_PRETRAINED.clear()
+    _PINNED_PRETRAINED.update(entries)
+
+
+def _architecture(source: str) -> Pretrained:
+    from .models.pretrained import build_bert, build_llama
+    from .models.pretrained.whisper import build_whisper_encoder
+
+    entry = _PINNED_PRETRAINED[source]
+    build = {"llama": build_llama, "bert": build_bert, "whisper": build_whisper_encoder}[entry["family"]]
+    return Pretrained(build(entry["config"]), None, entry["config"], entry["family"], source)
+
+
 def _pretrained(source: str) -> Pretrained:
+    load = _architecture if source in _PINNED_PRETRAINED else load_pretrained
     if _BUILD_SESSION is None:
-        return load_pretrained(source)
-    if source not in _BUILD_SESSION:
-        _BUILD_SESSION[source] = load_pretrained(source)
-    return _BUILD_SESSION[source]
+        return load(source)
+    # one load per file, however the recipe spells it
+    key = source if source in _PINNED_PRETRAINED else str(resolve_pretrained(source).resolve())
+    if key not in _BUILD_SESSION:
+        _BUILD_SESSION[key] = load(source)
+        _BUILD_SESSION[key].source = source
+    return _BUILD_SESSION[key]
 
 
 def _freeze(module, frozen: bool = True) -> None:
@@ -201,9 +227,15 @@ def build_pretrained_tokenizer(cfg: PretrainedTokenizerConfig, d_model: int):
 
 @register("head", "pretrained", PretrainedHeadConfig)
 def build_pretrained_head(cfg: PretrainedHeadConfig, d_model: int, tokenizer):
-    heads = list(_pretrained(cfg.source).model.heads.values())
+    pretrained = _pretrained(cfg.source)
+    heads = list(pretrained.model.heads.values())
     if len(heads) != 1:
         raise RecipeError(f"{cfg.source} carries no head to reuse; add a new head (e.g. kind: classifier)")
+    if tokenizer is not None and tokenizer not in pretrained.model.tokenizers.values():
+        raise RecipeError(
+            f"a pretrained head of {cfg.source} reads its own vocabulary: the task's tokenizer must be "
+            f"{{kind: pretrained, source: {cfg.source}}} too"
+        )
     return heads[0]
 
 
@@ -324,12 +356,21 @@ def build_model(
             readers = [t.tokenizer for t in recipe.tasks.values() if getattr(t, "head", None) == name]
             tokenizer = tokenizers.get(readers[0]) if readers else None
             heads[name] = lookup("head", cfg.kind).builder(cfg, d, tokenizer)
+        loaded = {p.source: {"family": p.family, "config": p.config} for p in _BUILD_SESSION.values()}
     finally:
         _BUILD_SESSION = None
     model = MultimodalModel(tokenizers, backbone, heads)
-    if m.lora is not None:
-        _freeze(model.tokenizers)
+    model.pretrained_configs = loaded  # checkpoints carry them, so they stand alone
+    if m.lora is not None:  # the pretrained parts freeze; adapters and new parts train
+        if m.backbone.kind != "pretrained":
+            raise RecipeError(
+                "'model.lora' adapts pretrained weights: set model.backbone to kind: pretrained"
+            )
         _freeze(model.backbone)
+        for table, parts in (("tokenizers", m.tokenizers), ("heads", m.heads)):
+            for name, c in parts.items():
+                if c.kind == "pretrained":
+                    _freeze(getattr(model, table)[name])
         try:
             apply_lora(model, tuple(m.lora.targets), m.lora.rank, m.lora.alpha, m.lora.dropout, "backbone")
         except ValueError as e:
@@ -347,6 +388,7 @@ def build_module(
     tasks = {n: lookup("task", t.kind).builder(t, recipe) for n, t in recipe.tasks.items()}
     weights = {n: t.weight for n, t in recipe.tasks.items()}
     module = MultiTaskModule(model, tasks, weights, recipe.optim, recipe_to_yaml(recipe), recipe.seed)
+    module.pretrained_configs = dict(getattr(model, "pretrained_configs", {}))
     module.tokenizer_files = {
         n: ((text_tokenizers or {}).get(n) or text_tokenizer(recipe, n)).to_json()
         for n, c in recipe.model.tokenizers.items()

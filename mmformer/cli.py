@@ -192,7 +192,11 @@ def cmd_validate(args) -> int:
         raise RecipeError(f"{args.checkpoint} is not an mmformer training checkpoint (it carries no recipe)")
     recipe = recipe_from_yaml(ckpt["mmformer"]["recipe_yaml"], args.overrides)
     _pin_checkpoint_tokenizers(ckpt)  # read the data with the tokenizer the weights were trained with
-    module = build_module(recipe)
+    try:
+        module = build_module(recipe)
+        datamodule = build_datamodule(recipe)
+    finally:
+        _pin_checkpoint_tokenizers(None)
     module.load_state_dict(ckpt["state_dict"])
     t = recipe.trainer
     trainer = L.Trainer(
@@ -206,7 +210,7 @@ def cmd_validate(args) -> int:
         limit_val_batches=t.limit_val_batches,
         enable_progress_bar=t.enable_progress_bar,
     )
-    trainer.validate(module, datamodule=build_datamodule(recipe), verbose=False)
+    trainer.validate(module, datamodule=datamodule, verbose=False)
     if trainer.is_global_zero:
         for key, value in sorted(trainer.callback_metrics.items()):
             if key.startswith("val/"):
@@ -219,11 +223,13 @@ class UsageError(Exception):
 
 
 def _pin_checkpoint_tokenizers(ckpt: dict | None) -> None:
-    from .build import pin_text_tokenizers
+    """Build from what the checkpoint carries: its text tokenizers and its pretrained architectures."""
+    from .build import pin_pretrained, pin_text_tokenizers
     from .tokenizers.text import TextTokenizer
 
-    files = (ckpt or {}).get("mmformer", {}).get("tokenizers", {})
-    pin_text_tokenizers({n: TextTokenizer.from_json(j) for n, j in files.items()})
+    state = (ckpt or {}).get("mmformer", {})
+    pin_text_tokenizers({n: TextTokenizer.from_json(j) for n, j in state.get("tokenizers", {}).items()})
+    pin_pretrained(state.get("pretrained", {}))
 
 
 def _generation_model(source: Path):
@@ -251,7 +257,11 @@ def _generation_model(source: Path):
     task = next((t for t in recipe.tasks.values() if t.kind == "causal_lm"), None)
     if task is None or task.tokenizer not in text:
         raise RecipeError(f"{source} has no causal language-model task to generate with")
-    model = build_model(recipe, text)
+    _pin_checkpoint_tokenizers(ckpt)
+    try:
+        model = build_model(recipe, text)
+    finally:
+        _pin_checkpoint_tokenizers(None)
     model.load_state_dict(
         {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     )

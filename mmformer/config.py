@@ -382,8 +382,9 @@ class PretrainedHeadConfig:
 
 @dataclass
 class LoRAConfig:
-    """``model.lora``: low-rank adapters on the backbone's linear layers; the tokenizers and backbone are
-    frozen, only the adapters and the heads the weights do not carry train (Hu et al. 2021)."""
+    """``model.lora``: low-rank adapters on the (pretrained) backbone's linear layers; every part of kind
+    ``pretrained`` is frozen, the adapters and parts built new (e.g. a classifier head) train
+    (Hu et al. 2021)."""
 
     rank: int = 8
     alpha: float = 16.0

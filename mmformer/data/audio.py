@@ -109,9 +109,13 @@ def manifest_rows(path: Path, label_key: str = "label") -> list[dict]:
             raise DataError(
                 f"{path}:{n}: expected a JSON object with 'audio' and {label_key!r} ({e})"
             ) from None
+        if not isinstance(audio, str):
+            raise DataError(f"{path}:{n}: 'audio' must be a file path, got {audio!r}")
         row["audio"] = str(Path(audio) if Path(audio).is_absolute() else path.parent / audio)
         row["label"] = str(label)
         rows.append(row)
+    if not rows:
+        raise DataError(f"{path} has no clips")
     return rows
 
 

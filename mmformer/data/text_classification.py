@@ -68,13 +68,18 @@ def collate_texts(samples: list[dict], pad_id: int) -> dict:
 def class_names(root: Path, train_rows: list[tuple[str, str]]) -> list[str]:
     path = root / "classes.txt"
     if path.is_file():
-        return [c for c in path.read_text(encoding="utf-8").splitlines() if c.strip()]
+        classes = [c.strip() for c in path.read_text(encoding="utf-8").splitlines() if c.strip()]
+        dupes = sorted({c for c in classes if classes.count(c) > 1})
+        if dupes:
+            raise DataError(f"{path} lists {dupes[:5]} more than once")
+        return classes
     return sorted({label for _, label in train_rows})
 
 
 def text_classification_data(cfg, tokenizer, num_classes: int | None, seed: int):
-    """``TaskData`` for a ``TextClassificationDataConfig``. Raises ``DataNotFoundError`` / ``DataError``
-    (missing manifests, malformed lines, labels outside the classes, a head of the wrong size)."""
+    """``TaskData`` for a ``TextClassificationDataConfig``. Raises ``DataNotFoundError`` (a missing root)
+    or ``DataError`` (missing manifests, malformed lines, labels outside the classes, a head of the
+    wrong size)."""
     import functools
 
     from .datamodule import TaskData

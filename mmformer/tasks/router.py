@@ -121,12 +121,14 @@ class MultiTaskModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     tokenizer_files: dict[str, str] = {}  # text tokenizers as JSON, set by the builder
+    pretrained_configs: dict[str, dict] = {}  # pretrained sources' family and config, set by the builder
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["mmformer"] = {
             "recipe_yaml": self.recipe_yaml,
             "rng": _rng_state(),
             "tokenizers": dict(self.tokenizer_files),
+            "pretrained": dict(self.pretrained_configs),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

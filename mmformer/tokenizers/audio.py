@@ -80,14 +80,19 @@ class AudioPreprocess:
         return wave[..., start : start + n]
 
     def load(self, path: str | Path) -> Tensor:
+        """Decode, crop at the file's own rate (a little margin kept), resample, crop exactly."""
         wave, rate = self.decode(path)
+        if rate != self.sample_rate:
+            keep = math.ceil(self.max_seconds * rate) + 64  # no resampling work on audio that is cut anyway
+            if wave.shape[0] > keep and not self.random_crop:
+                wave = wave[:keep]
         return self.crop(self.resample(wave, rate)).contiguous()
 
 
 def frames_valid(valid_samples: Tensor, hop_length: int, n_frames: int) -> Tensor:
     """``(B,)`` valid sample counts → ``(B, T)`` frame mask: frame ``t`` (centred at ``t·hop``) is valid
     when its centre is a real sample — exactly the frames the clip has alone (``S // hop + 1``)."""
-    n = valid_samples // hop_length + 1
+    n = torch.where(valid_samples > 0, valid_samples // hop_length + 1, 0)  # an empty row has no frames
     return torch.arange(n_frames, device=valid_samples.device) < n[:, None]
 
 
@@ -302,20 +307,17 @@ class WhisperLogMel(nn.Module):
         )
         if valid is not None:
             wave = wave * valid
-        # a whole number of hops (at least one), zero-padded: every frame centred inside a clip exists
-        wave = F.pad(
-            wave, (0, -wave.shape[1] % self.hop_length or (self.hop_length if wave.shape[1] == 0 else 0))
-        )
-        # zero (not reflect) padding at the ends: equal to Whisper's on its zero-padded 30 s input, and
-        # what a padded batch gives, so padding changes nothing
+        # a whole number of hops (at least one, and at least n_fft / 2 + 1 samples for the reflection)
+        half = self.n_fft // 2
+        S = wave.shape[1] + (-wave.shape[1] % self.hop_length if wave.shape[1] else self.hop_length)
+        wave = F.pad(wave, (0, max(S, half + 1) - wave.shape[1]))
+        # Whisper's torch.stft(center=True) reflects the clip's first samples at the start; its end is the
+        # zero padding of a 30 s window, i.e. zeros. The same here, per clip, so padding changes nothing.
+        wave = torch.cat([wave[:, 1 : half + 1].flip(-1), wave, wave.new_zeros(wave.shape[0], half)], dim=1)
         stft = torch.stft(
-            wave.float(),
-            self.n_fft,
-            self.hop_length,
-            window=self.window,
-            pad_mode="constant",
-            return_complex=True,
+            wave.float(), self.n_fft, self.hop_length, window=self.window, center=False, return_complex=True
         )
+        stft = stft[..., : S // self.hop_length + 1]  # frames of the S-sample clip (min-length padding aside)
         power = stft[..., :-1].abs() ** 2  # (B, n_freqs, T), T = S // hop
         log_spec = (self.filters @ power).clamp_min(1e-10).log10()  # (B, F, T)
         n_valid = (counts + self.hop_length - 1) // self.hop_length  # frames centred on a real sample

@@ -44,27 +44,25 @@ class TextTokenizer:
     ``chat_template`` (the Jinja template an instruct model carries, or None).
     """
 
-    def __init__(self, tokenizer, special: dict[str, str] | None = None, chat_template: str | None = None):
+    def __init__(
+        self, tokenizer, special: dict[str, str | None] | None = None, chat_template: str | None = None
+    ):
+        from tokenizers import AddedToken
+
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         tokenizer.no_padding()  # mmformer pads itself (a BERT tokenizer.json may pad every text to 128)
         tokenizer.no_truncation()
+        # ``None`` marks a special a pretrained vocabulary lacks: it is not invented (its id would have
+        # no embedding row); only ``pad`` is always added, since padded ids are never looked up
         self.special = {**SPECIAL_TOKENS, **(special or {})}
-        missing = [t for t in self.special.values() if tokenizer.token_to_id(t) is None]
-        if missing:
-            from tokenizers import AddedToken
-
-            tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         if self.special.get("pad") in (None, self.special.get("eos")):  # pad must never be eos
             self.special["pad"] = SPECIAL_TOKENS["pad"]
-            if tokenizer.token_to_id(self.special["pad"]) is None:
-                from tokenizers import AddedToken
-
-                tokenizer.add_special_tokens(
-                    [AddedToken(self.special["pad"], special=True, normalized=False)]
-                )
+        missing = [t for t in self.special.values() if t is not None and tokenizer.token_to_id(t) is None]
+        if missing:
+            tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         for name, token in self.special.items():
-            setattr(self, f"{name}_id", tokenizer.token_to_id(token))
+            setattr(self, f"{name}_id", tokenizer.token_to_id(token) if token is not None else None)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -163,12 +161,20 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def _check(self, bos: bool, eos: bool) -> None:
+        for name, wanted in (("bos", bos), ("eos", eos)):
+            if wanted and getattr(self, f"{name}_id") is None:
+                raise ValueError(f"this tokenizer has no {name} token")
+
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        """``text`` → ids; special-token strings inside ``text`` become their single ids."""
+        """``text`` → ids; special-token strings inside ``text`` become their single ids. Raises
+        ``ValueError`` when ``bos`` / ``eos`` is asked of a vocabulary without one."""
+        self._check(bos, eos)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def encode_batch(self, texts: list[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        self._check(bos, eos)
         out = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         return [([self.bos_id] if bos else []) + e.ids + ([self.eos_id] if eos else []) for e in out]
 

@@ -105,6 +105,11 @@ def test_smollm2_exports_to_a_directory_transformers_loads(ours, tmp_path):
     ids = torch.tensor([ours.tokenizer.encode(PROMPT)])
     with torch.no_grad():
         torch.testing.assert_close(ref(ids).logits, ours.model(ids, "text", "lm"), rtol=0, atol=1e-4)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert hf_tok.pad_token_id < 49152  # our own <|pad|> has no embedding row: the export pads with eos
+    batch = hf_tok([PROMPT, "Hi"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        assert torch.isfinite(ref(**batch).logits).all()
     again, tok, _ = load_hf_llama(tmp_path)
     assert tok.encode(TEXTS[1]) == ours.tokenizer.encode(TEXTS[1])
     assert tok.chat_template == ours.tokenizer.chat_template

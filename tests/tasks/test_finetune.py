@@ -110,9 +110,33 @@ def test_full_finetune_with_frozen_embeddings_and_first_block(workdir, pretraine
         sd["backbone.blocks.1.mlp.fc2.weight"], base["model.layers.1.mlp.down_proj.weight"]
     )
 
+    import shutil
+
+    shutil.rmtree(pretrained_dir)  # the checkpoint stands alone: architecture and tokenizer travel inside
     assert main(["generate", str(ckpt), "--prompt", "And the", "--max-new-tokens", "4"]) == 0
     assert main(["generate", str(ckpt), "--chat", "--prompt", "light", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.count("---") == 2
+
+
+def test_lora_needs_a_pretrained_backbone_and_a_pretrained_head_needs_its_tokenizer(workdir, pretrained_dir):
+    from mmformer.build import build_model
+    from mmformer.config import RecipeError, recipe_from_yaml
+
+    (workdir / "corpus.txt").write_text("\n\n".join(VERSES) + "\n")
+    text = RECIPE.format(
+        src=pretrained_dir, root=workdir / "corpus.txt", lora="", freeze="false", freeze_layers=0
+    )
+    mixed = text.replace(
+        f"{{text: {{kind: pretrained, source: {pretrained_dir}, freeze: false}}}}",
+        "{text: {kind: bpe, vocab_size: 300}}",
+    )
+    with pytest.raises(RecipeError, match="its own vocabulary"):
+        build_model(recipe_from_yaml(mixed))
+    spelled = text.replace(
+        f"source: {pretrained_dir}, freeze_layers", f"source: {pretrained_dir}/, freeze_layers"
+    )
+    model = build_model(recipe_from_yaml(spelled))  # the same files spelled twice: loaded once, still tied
+    assert model.heads["lm"].head.weight is model.tokenizers["text"].embed.weight
 
 
 def test_generate_refuses_chat_without_a_template(workdir, pretrained_dir, capsys):

@@ -20,7 +20,7 @@ import torch
 from ...tokenizers.text import TextTokenizer
 from ..model import MultimodalModel
 from .bert import BERT_SPECIAL, SentenceEmbeddingHead, build_bert, load_hf_bert
-from .llama import build_llama, llama_config, load_gguf_llama, load_hf_llama, save_hf_llama
+from .llama import build_llama, hf_tokenizer, llama_config, load_gguf_llama, load_hf_llama, save_hf_llama
 from .whisper import is_whisper_ct2, load_whisper_encoder
 
 
@@ -111,10 +111,7 @@ def load_pretrained_tokenizer(name_or_path: str | Path) -> TextTokenizer:
         raise FileNotFoundError(f"{str(path)!r} has no tokenizer.json")
     if family == "bert":
         return TextTokenizer.from_file(path / "tokenizer.json", BERT_SPECIAL)
-    tc_path = path / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
-    special = {n: tc[f"{n}_token"] for n in ("bos", "eos", "pad") if isinstance(tc.get(f"{n}_token"), str)}
-    return TextTokenizer.from_file(path / "tokenizer.json", special, tc.get("chat_template"))
+    return hf_tokenizer(path)
 
 
 def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> Pretrained:

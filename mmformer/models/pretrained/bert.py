@@ -34,7 +34,7 @@ from ..backbone import build_backbone
 from ..model import MultimodalModel
 from .llama import _load_into, _read_safetensors_dir
 
-BERT_SPECIAL = {"bos": "[CLS]", "eos": "[SEP]", "pad": "[PAD]"}
+BERT_SPECIAL = {"bos": "[CLS]", "eos": "[SEP]", "pad": "[PAD]", "image": None, "audio": None}
 
 
 class SentenceEmbeddingHead(nn.Module):

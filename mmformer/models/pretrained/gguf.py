@@ -60,15 +60,18 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
 
 def _pre_tokenizer(kind: str):
-    """llama.cpp's pre-tokenizer ``kind`` as HF ``tokenizers`` pre-tokenizers. ``smollm`` (and the
-    Qwen-style ones) split digits one by one before GPT-2's byte-level regex, as their original
-    ``tokenizer.json`` do; anything else uses GPT-2's."""
+    """llama.cpp's pre-tokenizer ``kind`` (``tokenizer.ggml.pre``) as HF ``tokenizers`` pre-tokenizers:
+    ``gpt2`` / ``default`` use GPT-2's byte-level regex; ``smollm`` first splits digits one by one, as
+    its original ``tokenizer.json`` does. Raises ``ValueError`` for others (Llama-3's, Qwen's regexes
+    differ: tokenizing them with GPT-2's would silently change the ids)."""
     from tokenizers import pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if kind in ("smollm", "qwen2", "deepseek-llm", "starcoder"):
+    if kind in ("gpt2", "default"):
+        return byte_level
+    if kind == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return byte_level
+    raise ValueError(f"GGUF pre-tokenizer {kind!r} is not supported (supported: gpt2, default, smollm)")
 
 
 def tokenizer_from_gguf(metadata: dict) -> TextTokenizer:
@@ -95,9 +98,8 @@ def tokenizer_from_gguf(metadata: dict) -> TextTokenizer:
             if ty in _SPECIAL_TYPES
         ]
     )
-    special = {}
+    special: dict[str, str | None] = {"image": None, "audio": None}  # not in the vocabulary: not invented
     for name in ("bos", "eos", "pad"):
         i = metadata.get(f"tokenizer.ggml.{name}_token_id")
-        if i is not None:
-            special[name] = tokens[int(i)]
+        special[name] = tokens[int(i)] if i is not None else None
     return TextTokenizer(tok, special, metadata.get("tokenizer.chat_template"))

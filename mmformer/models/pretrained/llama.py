@@ -200,13 +200,40 @@ def _load_into(model: MultimodalModel, sd: dict[str, Tensor]) -> MultimodalModel
 def _read_safetensors_dir(path: Path) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    files = _read_index(path) or sorted(path.glob("*.safetensors"))  # the index names the shards
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
     sd: dict[str, Tensor] = {}
     for f in files:  # single file or shards (model-00001-of-0000N.safetensors)
         sd.update(load_file(str(f)))
     return sd
+
+
+def hf_tokenizer(path: Path) -> TextTokenizer:
+    """``tokenizer.json`` + ``tokenizer_config.json`` (special tokens as strings or ``{"content": …}``
+    objects, the chat template) of an HF directory; ids in ``config.json`` fill specials the tokenizer
+    config leaves out. Specials the vocabulary lacks stay absent (``None``), never invented."""
+    from tokenizers import Tokenizer
+
+    read = lambda name: json.loads((path / name).read_text()) if (path / name).is_file() else {}  # noqa: E731
+    tc, config = read("tokenizer_config.json"), read("config.json")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    special: dict[str, str | None] = {"image": None, "audio": None}
+    for name in ("bos", "eos", "pad"):
+        value = tc.get(f"{name}_token")
+        value = value.get("content") if isinstance(value, dict) else value
+        token_id = config.get(f"{name}_token_id")
+        if value is None and isinstance(token_id, int):
+            value = tok.id_to_token(token_id)
+        special[name] = value if isinstance(value, str) and tok.token_to_id(value) is not None else None
+    return TextTokenizer(tok, special, tc.get("chat_template"))
+
+
+def _read_index(path: Path) -> list[Path] | None:
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
 
 
 def load_hf_llama(
@@ -220,24 +247,14 @@ def load_hf_llama(
     """
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in (
-        "llama",
-        "mistral",
-        "smollm3",
-    ) and "LlamaForCausalLM" not in config.get("architectures", []):
+    if config.get("model_type") not in ("llama", "mistral"):
         raise ValueError(f"{str(path)!r} holds a {config.get('model_type')!r} model, not a Llama")
-    model = _load_into(build_llama(config), hf_to_mmformer(_read_safetensors_dir(path), config)).to(dtype)
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        tc = (
-            json.loads((path / "tokenizer_config.json").read_text())
-            if (path / "tokenizer_config.json").is_file()
-            else {}
+    if config.get("sliding_window") is not None:
+        raise ValueError(
+            f"sliding_window={config['sliding_window']} (Mistral-style local attention) is not supported"
         )
-        special = {
-            n: tc[f"{n}_token"] for n in ("bos", "eos", "pad") if isinstance(tc.get(f"{n}_token"), str)
-        }
-        tokenizer = TextTokenizer.from_file(path / "tokenizer.json", special, tc.get("chat_template"))
+    model = _load_into(build_llama(config), hf_to_mmformer(_read_safetensors_dir(path), config)).to(dtype)
+    tokenizer = hf_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     return model, tokenizer, config
 
 
@@ -253,11 +270,21 @@ def save_hf_llama(
     path.mkdir(parents=True, exist_ok=True)
     config = {**config, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     config.pop("quantization_config", None)
+    specials: dict[str, str] = {}
+    if tokenizer is not None:  # only specials with an embedding row; pad falls back to eos (HF's habit)
+        vocab = config["vocab_size"]
+        for name in ("bos", "eos", "pad"):
+            token_id = getattr(tokenizer, f"{name}_id")
+            if token_id is not None and token_id < vocab:
+                specials[name] = tokenizer.special[name]
+                config[f"{name}_token_id"] = token_id
+        if "pad" not in specials and "eos" in specials:
+            specials["pad"], config["pad_token_id"] = specials["eos"], config["eos_token_id"]
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file(mmformer_to_hf(model, config), str(path / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(path / "tokenizer.json")
-        tc = {f"{n}_token": tokenizer.special[n] for n in ("bos", "eos", "pad")}
+        tc = {f"{n}_token": t for n, t in specials.items()}
         tc.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=tokenizer.chat_template)
         (path / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
     return path
@@ -288,6 +315,17 @@ def gguf_config(metadata: dict) -> dict:
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported; only 'llama'")
     m = lambda k, default=None: metadata.get(f"llama.{k}", default)  # noqa: E731
+    scaling = [
+        k for k in metadata if k.startswith("llama.rope.scaling.") and metadata[k] not in ("none", 1.0)
+    ]
+    if scaling:
+        raise ValueError(f"RoPE scaling ({', '.join(scaling)}) is not supported; only the default RoPE")
+    head_dim = int(m("embedding_length")) // int(m("attention.head_count"))
+    if (
+        int(m("rope.dimension_count", head_dim)) != head_dim
+        or int(m("attention.key_length", head_dim)) != head_dim
+    ):
+        raise ValueError("partial RoPE or a head size other than d_model / n_heads is not supported")
     n_vocab = m("vocab_size") or len(metadata["tokenizer.ggml.tokens"])
     return {
         "model_type": "llama",
@@ -327,7 +365,11 @@ def gguf_to_hf(tensors: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
             elif part == "attn_k":
                 t = _unpermute(t, config["num_key_value_heads"])
             out[f"model.layers.{i}.{GGUF_NAMES[part]}.{kind}"] = t
-        elif name != "rope_freqs.weight":
+        elif name == "rope_freqs.weight":
+            raise ValueError(
+                "this GGUF file scales RoPE (rope_freqs, Llama 3.1 style); that is not supported"
+            )
+        else:
             raise ValueError(f"unexpected GGUF tensor {name!r}")
     return out
 

@@ -101,6 +101,16 @@ def load_whisper_encoder(
     spec, variables = read_ctranslate2(path / "model.bin" if path.is_dir() else path)
     if spec != "WhisperSpec":
         raise ValueError(f"{str(path)!r} holds a CTranslate2 {spec or 'model'}, not Whisper")
+    quantized = [
+        k
+        for k, v in variables.items()
+        if k.startswith("encoder/") and k.endswith("weight") and not v.is_floating_point()
+    ]
+    if quantized:
+        raise ValueError(
+            f"{str(path)!r} holds quantized (int8) weights ({quantized[0]}, …); convert the model with "
+            "--quantization float16 or float32"
+        )
     config = whisper_encoder_config(variables)
     model = build_whisper_encoder(config)
     missing, unexpected = model.load_state_dict(ct2_to_mmformer(variables, config), strict=False)
