@@ -91,7 +91,9 @@ def build_vit_patch(cfg: ViTPatchConfig, d_model: int) -> ViTPatchTokenizer:
 
 @register("tokenizer", "ast", ASTConfig)
 def build_ast(cfg: ASTConfig, d_model: int) -> ASTPatchTokenizer:
-    mel = LogMel(cfg.sample_rate, cfg.n_fft, cfg.hop_length, cfg.n_mels, cfg.f_min, cfg.f_max)
+    mel = LogMel(
+        cfg.sample_rate, cfg.n_fft, cfg.hop_length, cfg.n_mels, cfg.f_min, cfg.f_max, normalize=cfg.normalize
+    )
     return ASTPatchTokenizer(
         d_model,
         mel,
@@ -103,8 +105,12 @@ def build_ast(cfg: ASTConfig, d_model: int) -> ASTPatchTokenizer:
 
 
 def _audio_preprocess(tok_cfg) -> tuple[AudioPreprocess, AudioPreprocess]:
+    """(train, val) data sides: augmentation on the training clips only."""
     rate, seconds = tok_cfg.sample_rate, tok_cfg.max_seconds
-    return AudioPreprocess(rate, seconds, tok_cfg.random_crop), AudioPreprocess(rate, seconds)
+    train = AudioPreprocess(
+        rate, seconds, tok_cfg.random_crop, tok_cfg.gain_db, tok_cfg.shift_seconds, tok_cfg.noise_snr_db
+    )
+    return train, AudioPreprocess(rate, seconds)
 
 
 @register("dataset", "audio_folder", AudioFolderDataConfig)

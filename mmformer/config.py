@@ -286,9 +286,13 @@ class ASTConfig:
     patch_size: list[int] = field(default_factory=lambda: [16, 16])  # (mel bins, frames)
     patch_stride: list[int] = field(default_factory=lambda: [16, 16])  # < patch_size: overlapping patches
     max_seconds: float = 10.0
+    normalize: str = "fixed"  # fixed: (log10 - mean) / std | utterance: each clip's own per-bin mean/std
     freq_mask: int = 0  # SpecAugment: widest frequency mask in mel bins (training only; 0 = off)
     time_mask: int = 0  # SpecAugment: widest time mask in frames
     random_crop: bool = False  # training clips longer than max_seconds: random window instead of the start
+    gain_db: float = 0.0  # training: random gain in ±gain_db dB
+    shift_seconds: float = 0.0  # training: 0 to shift_seconds of leading silence
+    noise_snr_db: Optional[float] = None  # training: white noise at a random SNR in [noise_snr_db, 40] dB
 
     def __post_init__(self) -> None:
         _positive(self, "sample_rate", "n_fft", "hop_length", "n_mels", "max_seconds")
@@ -300,6 +304,8 @@ class ASTConfig:
             raise ValueError(f"patch_size[0]={self.patch_size[0]} exceeds n_mels={self.n_mels}")
         if self.f_max is not None and self.f_max > self.sample_rate / 2:
             raise ValueError(f"f_max={self.f_max} is above the Nyquist frequency {self.sample_rate / 2}")
+        if self.normalize not in ("fixed", "utterance"):
+            raise ValueError(f"normalize={self.normalize!r}; choose fixed or utterance")
 
     @property
     def max_frames(self) -> int:
@@ -360,6 +366,11 @@ class PretrainedTokenizerConfig:
     random_crop: bool = False  # audio: training clips longer than max_seconds get a random window
     freq_mask: int = 0  # audio: SpecAugment frequency mask width in mel bins (training only)
     time_mask: int = 0  # audio: SpecAugment time mask width in frames
+    gain_db: float = 0.0  # audio, training: random gain in ±gain_db dB
+    shift_seconds: float = 0.0  # audio, training: 0 to shift_seconds of leading silence
+    noise_snr_db: Optional[float] = (
+        None  # audio, training: white noise at a random SNR in [noise_snr_db, 40] dB
+    )
 
     @property
     def sample_rate(self) -> int:

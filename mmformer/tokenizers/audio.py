@@ -43,11 +43,35 @@ class AudioPreprocess:
         sample_rate: target rate in Hz (resampled with ``torchaudio.functional.resample``, sinc
             interpolation; the output has ``ceil(S · sample_rate / orig_rate)`` samples).
         max_seconds: longer clips are cut (from the start, or at a random offset with ``random_crop``).
+        gain_db, shift_seconds, noise_snr_db: training augmentation (``augment``; off by default).
     Raises ``AudioDecodeError`` naming the file when soundfile cannot read it.
     """
 
-    def __init__(self, sample_rate: int = 16_000, max_seconds: float = 10.0, random_crop: bool = False):
+    def __init__(
+        self,
+        sample_rate: int = 16_000,
+        max_seconds: float = 10.0,
+        random_crop: bool = False,
+        gain_db: float = 0.0,
+        shift_seconds: float = 0.0,
+        noise_snr_db: float | None = None,
+    ):
         self.sample_rate, self.max_seconds, self.random_crop = sample_rate, max_seconds, random_crop
+        self.gain_db, self.shift_seconds, self.noise_snr_db = gain_db, shift_seconds, noise_snr_db
+
+    def augment(self, wave: Tensor) -> Tensor:
+        """Training augmentation: a random gain in ±``gain_db`` dB, 0 to ``shift_seconds`` of leading
+        silence, and white noise at a random SNR between ``noise_snr_db`` and 40 dB (each off at 0 / None)."""
+        if self.gain_db:
+            wave = wave * 10 ** (float(torch.empty(()).uniform_(-self.gain_db, self.gain_db)) / 20)
+        if self.shift_seconds:
+            pad = int(torch.randint(0, int(self.shift_seconds * self.sample_rate) + 1, ()))
+            wave = F.pad(wave, (pad, 0))
+        if self.noise_snr_db is not None:
+            snr = float(torch.empty(()).uniform_(self.noise_snr_db, 40.0))
+            power = wave.pow(2).mean().clamp_min(1e-10)
+            wave = wave + torch.randn_like(wave) * (power / 10 ** (snr / 10)).sqrt()
+        return wave
 
     @property
     def max_samples(self) -> int:
@@ -86,7 +110,7 @@ class AudioPreprocess:
             keep = math.ceil(self.max_seconds * rate) + 64  # no resampling work on audio that is cut anyway
             if wave.shape[0] > keep and not self.random_crop:
                 wave = wave[:keep]
-        return self.crop(self.resample(wave, rate)).contiguous()
+        return self.crop(self.augment(self.resample(wave, rate))).contiguous()
 
 
 def frames_valid(valid_samples: Tensor, hop_length: int, n_frames: int) -> Tensor:
@@ -103,6 +127,8 @@ class LogMel(nn.Module):
         sample_rate (Hz), n_fft, hop_length (samples), n_mels, f_min, f_max (Hz; None = Nyquist).
         floor: power floor before ``log10`` (1e-10, as Whisper: silence → -10, never -inf).
         mean, std: fixed normalisation of the ``log10`` power (defaults give Whisper's ``(x + 4) / 4``).
+        normalize: ``fixed`` (mean, std above) or ``utterance`` (each clip's own per-bin mean and
+            variance over its real frames: robust to level and channel, e.g. telephone vs studio audio).
     """
 
     def __init__(
@@ -116,12 +142,15 @@ class LogMel(nn.Module):
         floor: float = 1e-10,
         mean: float = -4.0,
         std: float = 4.0,
+        normalize: str = "fixed",
     ):
         super().__init__()
         import torchaudio
 
+        if normalize not in ("fixed", "utterance"):
+            raise ValueError(f"normalize must be 'fixed' or 'utterance', got {normalize!r}")
         self.sample_rate, self.hop_length, self.n_mels = sample_rate, hop_length, n_mels
-        self.floor, self.mean, self.std = floor, mean, std
+        self.floor, self.mean, self.std, self.normalize = floor, mean, std, normalize
         self.spectrogram = torchaudio.transforms.MelSpectrogram(
             sample_rate=sample_rate,
             n_fft=n_fft,
@@ -145,8 +174,17 @@ class LogMel(nn.Module):
         if valid is not None:
             wave = wave * valid  # padded samples are exactly zero
         power = self.spectrogram(wave.float())  # (B, F, T), float32 even under autocast
-        mel = (power.clamp_min(self.floor).log10() - self.mean) / self.std
-        return mel, frames_valid(counts, self.hop_length, mel.shape[-1])
+        log_mel = power.clamp_min(self.floor).log10()
+        frames = frames_valid(counts, self.hop_length, log_mel.shape[-1])
+        if self.normalize == "fixed":
+            return (log_mel - self.mean) / self.std, frames
+        # per utterance and mel bin over the clip's own frames (cepstral mean and variance normalisation):
+        # removes the channel's spectral tilt and the recording level; padding never enters the statistics
+        w = frames[:, None, :].to(log_mel.dtype)  # (B, 1, T)
+        n = w.sum(-1, keepdim=True).clamp_min(1.0)
+        mu = (log_mel * w).sum(-1, keepdim=True) / n
+        var = ((log_mel - mu).pow(2) * w).sum(-1, keepdim=True) / n
+        return (log_mel - mu) / (var + 1e-5).sqrt(), frames
 
 
 class SpecAugment(nn.Module):
@@ -233,7 +271,9 @@ class ASTPatchTokenizer(nn.Module):
 
     @property
     def silence(self) -> float:
-        """The normalised log-mel value of digital silence."""
+        """What frames past a clip read as: digital silence (``fixed``), or the clip's mean (``utterance``)."""
+        if self.mel.normalize == "utterance":
+            return 0.0
         return (math.log10(self.mel.floor) - self.mel.mean) / self.mel.std
 
     def example_input(self, batch_size: int = 1) -> Tensor:

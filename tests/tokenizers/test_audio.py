@@ -20,9 +20,9 @@ from mmformer.tokenizers.audio import (
 sf = pytest.importorskip("soundfile")
 
 
-def _ast(d=32, **kw):
+def _ast(d=32, normalize="fixed", **kw):
     torch.manual_seed(0)
-    mel = LogMel(8000, 200, 80, 32)
+    mel = LogMel(8000, 200, 80, 32, normalize=normalize)
     return ASTPatchTokenizer(d, mel, (16, 16), (16, 8), max_frames=301, **kw).eval()
 
 
@@ -34,7 +34,11 @@ def _pad(clips):
     return wave, valid
 
 
-@pytest.mark.parametrize("make", [_ast, lambda: WhisperConvTokenizer(32).eval()], ids=["ast", "whisper"])
+@pytest.mark.parametrize(
+    "make",
+    [_ast, lambda: _ast(normalize="utterance"), lambda: WhisperConvTokenizer(32).eval()],
+    ids=["ast", "ast-utterance-norm", "whisper"],
+)
 def test_a_clip_gives_the_same_tokens_alone_and_in_a_padded_batch(make):
     tok = make()
     g = torch.Generator().manual_seed(1)
@@ -126,3 +130,24 @@ def test_corrupt_file_is_reported_with_its_path_skipped_and_counted(tmp_path):
     assert item["label"] == 1 and item["bad_samples"] == [str(bad)]
     batch = collate_audio([item, data[1]])
     assert batch["bad_samples"] == [str(bad)] and batch["audio_valid"].all()
+
+
+def test_utterance_normalisation_removes_level_and_channel_gain():
+    mel = LogMel(8000, 200, 80, 32, normalize="utterance")
+    wave = torch.randn(1, 8000) * 0.1
+    a, frames = mel(wave)
+    b, _ = mel(wave * 5.0)  # +14 dB
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    assert a[0].mean(-1).abs().max() < 1e-4 and (a[0].std(-1, unbiased=False) - 1).abs().max() < 1e-3
+
+
+def test_training_augmentation_gain_shift_noise():
+    torch.manual_seed(0)
+    pre = AudioPreprocess(8000, 2.0, gain_db=6.0, shift_seconds=0.25, noise_snr_db=20.0)
+    wave = torch.sin(torch.arange(4000) * 0.3)
+    out = pre.augment(wave)
+    shift = out.shape[0] - wave.shape[0]
+    assert 0 <= shift <= 2000
+    gain = (out[shift:] @ wave) / (wave @ wave)  # noise is uncorrelated with the tone
+    assert 10 ** (-6.5 / 20) < gain < 10 ** (6.5 / 20)
+    assert torch.equal(AudioPreprocess(8000).augment(wave), wave)  # all off by default
