@@ -3,11 +3,9 @@ tones of different lengths and sample rates, one corrupt clip; learns, logs clip
 bad file."""
 
 import numpy as np
-import pytest
+import soundfile as sf
 
 from mmformer.cli import main
-
-sf = pytest.importorskip("soundfile")
 
 RECIPE = """\
 name: tones

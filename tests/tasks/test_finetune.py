@@ -86,7 +86,8 @@ def test_lora_recipe_trains_only_adapters_and_exports_merged(workdir, pretrained
     assert torch.equal(sd["tokenizers.text.embed.weight"], base["model.embed_tokens.weight"])
     assert sd["backbone.blocks.1.mlp.fc2.lora_B.weight"].abs().sum() > 0
 
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     out = workdir / "exported"
     assert main(["export", str(ckpt), str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

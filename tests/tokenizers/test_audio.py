@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+import soundfile as sf
 import torch
 
 from mmformer.data.audio import AudioClips, collate_audio
@@ -16,8 +17,6 @@ from mmformer.tokenizers.audio import (
     SpecAugment,
     WhisperConvTokenizer,
 )
-
-sf = pytest.importorskip("soundfile")
 
 
 def _ast(d=32, normalize="fixed", **kw):
