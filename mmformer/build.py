@@ -25,6 +25,9 @@ from .config import (
     CIFAR10DataConfig,
     ClassificationTaskConfig,
     ClassifierHeadConfig,
+    DiffusionTaskConfig,
+    DiTHeadConfig,
+    DiTTokenizerConfig,
     ImageFolderDataConfig,
     LMHeadConfig,
     PretrainedBackboneConfig,
@@ -35,6 +38,7 @@ from .config import (
     TextClassificationDataConfig,
     TextDataConfig,
     ViTPatchConfig,
+    WhisperConvConfig,
     recipe_to_dict,
     recipe_to_yaml,
 )
@@ -45,7 +49,8 @@ from .data.roots import DataError, DataNotFoundError, resolve_root
 from .data.text import corpus_split, text_data
 from .data.text_classification import text_classification_data
 from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
-from .models.heads import LMHead
+from .models.diffusion import GaussianDiffusion, RectifiedFlow, beta_schedule
+from .models.heads import DiTFinalLayer, LMHead
 from .models.pretrained import (
     FAMILY_MODALITY,
     Pretrained,
@@ -57,11 +62,25 @@ from .models.pretrained import (
 from .nn.lora import apply_lora
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
+from .tasks.diffusion import DiffusionTask
 from .tasks.language_model import CausalLMTask
 from .tokenizers import ViTPatchTokenizer
-from .tokenizers.audio import ASTPatchTokenizer, AudioPreprocess, LogMel, SpecAugment
+from .tokenizers.audio import (
+    ASTPatchTokenizer,
+    AudioPreprocess,
+    LogMel,
+    SpecAugment,
+    WhisperConvTokenizer,
+)
+from .tokenizers.diffusion import DiTTokenizer
 from .tokenizers.text import TextEmbedding, TextTokenizer
-from .training.callbacks import AudioSamples, BadSampleReport, TextSamples, ThroughputLogger
+from .training.callbacks import (
+    AudioSamples,
+    BadSampleReport,
+    DiffusionSamples,
+    TextSamples,
+    ThroughputLogger,
+)
 from .training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
 from .training.loggers import build_loggers
 from .training.runs import Run, RunFolder
@@ -101,6 +120,56 @@ def build_ast(cfg: ASTConfig, d_model: int) -> ASTPatchTokenizer:
         tuple(cfg.patch_stride),
         cfg.max_frames,
         SpecAugment(cfg.freq_mask, cfg.time_mask),
+    )
+
+
+@register("tokenizer", "whisper_conv", WhisperConvConfig)
+def build_whisper_conv(cfg: WhisperConvConfig, d_model: int) -> WhisperConvTokenizer:
+    n_ctx = int(round(cfg.max_seconds * 100)) // 2 + 1  # 100 frames/s, stride 2
+    return WhisperConvTokenizer(d_model, cfg.n_mels, n_ctx, SpecAugment(cfg.freq_mask, cfg.time_mask))
+
+
+@register("tokenizer", "dit", DiTTokenizerConfig)
+def build_dit_tokenizer(cfg: DiTTokenizerConfig, d_model: int) -> DiTTokenizer:
+    return DiTTokenizer(
+        d_model, cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.num_classes, cfg.class_dropout
+    )
+
+
+@register("head", "dit", DiTHeadConfig)
+def build_dit_head(cfg: DiTHeadConfig, d_model: int, tokenizer) -> DiTFinalLayer:
+    if not isinstance(tokenizer, DiTTokenizer):
+        raise RecipeError("a 'dit' head needs a diffusion task whose tokenizer is of kind dit")
+    out_chans = tokenizer.in_chans * (2 if cfg.learn_sigma else 1)
+    return DiTFinalLayer(d_model, tokenizer.patch_size, tokenizer.grid_size, out_chans)
+
+
+@register("task", "diffusion", DiffusionTaskConfig)
+def build_diffusion(cfg: DiffusionTaskConfig, recipe: RecipeConfig) -> DiffusionTask:
+    tok, head = recipe.model.tokenizers[cfg.tokenizer], recipe.model.heads[cfg.head]
+    if tok.kind != "dit" or head.kind != "dit":
+        raise RecipeError(
+            f"task kind 'diffusion' needs a tokenizer and a head of kind dit, got {tok.kind}, {head.kind}"
+        )
+    if recipe.model.backbone.kind == "transformer" and recipe.model.backbone.block != "adaln":
+        raise RecipeError("a diffusion task conditions through adaLN: set model.backbone.block: adaln")
+    if cfg.objective == "flow":
+        if head.learn_sigma:
+            raise RecipeError(
+                "learn_sigma is for objective: gaussian (rectified flow has no variance to learn)"
+            )
+        process = RectifiedFlow(cfg.t_sampling)
+    else:
+        betas = beta_schedule(cfg.beta_schedule, cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
+        process = GaussianDiffusion(betas, cfg.prediction, learned_variance=head.learn_sigma)
+    return DiffusionTask(
+        cfg.tokenizer,
+        cfg.head,
+        process,
+        cfg.min_snr_gamma,
+        sample_cfg_scale=cfg.sample_cfg_scale,
+        sample_steps=cfg.sample_steps,
+        samples_per_class=cfg.samples_per_class,
     )
 
 
@@ -154,7 +223,13 @@ def build_text_data(cfg: TextDataConfig, task, recipe: RecipeConfig):
 # One build_model call loads each source once, so its tokenizer, backbone and head share tensors (a tied
 # LM head stays tied); a second build gets fresh modules.
 _BUILD_SESSION: dict[str, Pretrained] | None = None
-MODALITY_OF_KIND = {"bpe": "text", "ast": "audio", "vit_patch": "image"}
+MODALITY_OF_KIND = {
+    "bpe": "text",
+    "ast": "audio",
+    "whisper_conv": "audio",
+    "vit_patch": "image",
+    "dit": "image",
+}
 
 
 def tokenizer_modality(cfg) -> str:
@@ -277,8 +352,10 @@ def build_cifar10(cfg: CIFAR10DataConfig, task, recipe: RecipeConfig):
 
 
 def _num_classes(task, recipe: RecipeConfig) -> int | None:
+    """The classes a task's data must have: its head's, else its tokenizer's (a class-conditional DiT)."""
     head = recipe.model.heads.get(getattr(task, "head", None))
-    return getattr(head, "num_classes", None)
+    tok = recipe.model.tokenizers.get(getattr(task, "tokenizer", None))
+    return getattr(head, "num_classes", None) or getattr(tok, "num_classes", None)
 
 
 # --------------------------------------------------------------------------- composition
@@ -468,6 +545,12 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         if recipe.trainer.enable_progress_bar
         else []
     )
+    ema = []
+    if recipe.optim.ema_decay is not None:
+        from lightning.pytorch.callbacks import WeightAveraging
+        from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+        ema = [WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(recipe.optim.ema_decay))]
     loggers = build_loggers(
         recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
     )
@@ -505,6 +588,8 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
             BadSampleReport(),
             TextSamples(),
             AudioSamples(),
+            DiffusionSamples(),
+            *ema,
             *progress,
             *extra_callbacks,
         ],

@@ -306,6 +306,62 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_sample(args) -> int:
+    """Sample images from a diffusion checkpoint into a PNG grid; with ``--classifier`` also measure
+    class-conditional samples (classifier accuracy and Fréchet distance to the real validation images)."""
+    import torch
+    from torchvision.utils import make_grid, save_image
+
+    from .evaluation import ClassifierFeatures, evaluate_class_conditional, load_checkpoint, real_images
+
+    if args.out is None and args.classifier is None:
+        raise UsageError("say what to do: --out GRID.png (samples) and/or --classifier CKPT (measure them)")
+    loaded, name = load_checkpoint(args.checkpoint, "diffusion")
+    task = loaded.module.tasks[name]
+    k = loaded.model.tokenizers[task.tokenizer].num_classes
+    if args.class_ is not None and not k:
+        raise UsageError(f"{args.checkpoint} is unconditional; drop --class")
+    if args.class_ is not None and not 0 <= args.class_ < k:
+        raise UsageError(f"--class {args.class_} is outside the model's classes 0…{k - 1}")
+    if args.classifier is not None:
+        classifier, cls_task = load_checkpoint(args.classifier, "classification")
+        features = ClassifierFeatures(classifier, cls_task)
+        real = real_images(loaded, name)
+        for scale in args.cfg_scale_list or [args.cfg_scale]:
+            scores = evaluate_class_conditional(
+                loaded, name, features, real, args.per_class, scale, args.steps, args.sampler, args.seed
+            )
+            print(
+                f"cfg_scale {scale:g} steps {args.steps} sampler {args.sampler or 'default'}: "
+                f"classifier accuracy {scores['accuracy']:.4f}, Fréchet distance {scores['frechet_distance']:.3f} "
+                f"({int(scores['samples'])} samples vs {len(real)} real)"
+            )
+    if args.out is not None:
+        if args.class_ is not None:
+            labels = torch.full((args.n,), args.class_, dtype=torch.long)
+        elif k:  # one row per class
+            labels = torch.arange(k).repeat_interleave(max(1, args.n // k))
+        else:
+            labels = None
+        try:
+            images = task.sample(
+                loaded.model,
+                labels,
+                n=args.n,
+                cfg_scale=args.cfg_scale if labels is not None else 1.0,
+                steps=args.steps,
+                sampler=args.sampler,
+                generator=torch.Generator().manual_seed(args.seed),
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        nrow = max(1, args.n // k) if k and args.class_ is None else 8
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        save_image(make_grid((images + 1) / 2, nrow=nrow, padding=1), args.out)
+        print(f"wrote {len(images)} samples to {args.out}")
+    return 0
+
+
 def cmd_export(args) -> int:
     """Write a trained Llama-layout checkpoint (a fine-tuned SmolLM2, LoRA merged) as an HF directory."""
     from .models.pretrained import llama_config, save_hf_llama
@@ -414,6 +470,34 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", type=Path, help="a .ckpt of a Llama-layout recipe, or pretrained weights")
     e.add_argument("out", type=Path, help="output directory")
     e.set_defaults(fn=cmd_export)
+    sp = sub.add_parser(
+        "sample",
+        help="sample images from a diffusion checkpoint (a PNG grid); --classifier also measures them",
+    )
+    sp.add_argument("checkpoint", type=Path)
+    sp.add_argument("--class", dest="class_", type=int, default=None, help="class id (default: every class)")
+    sp.add_argument("--n", type=_positive_int, default=16, help="number of samples in the grid")
+    sp.add_argument(
+        "--cfg-scale", type=_non_negative_float, default=1.0, help="classifier-free guidance; 1 = off"
+    )
+    sp.add_argument("--steps", type=_positive_int, default=50, help="sampling steps (DDIM / Euler / Heun)")
+    sp.add_argument("--sampler", choices=["ddim", "ddpm", "euler", "heun"], default=None)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--out", type=Path, default=None, help="PNG grid to write")
+    sp.add_argument(
+        "--classifier", type=Path, default=None, help="a classifier checkpoint trained on the real images"
+    )
+    sp.add_argument("--per-class", type=_positive_int, default=100, help="samples per class to measure")
+    sp.add_argument(
+        "--cfg-scales",
+        dest="cfg_scale_list",
+        type=float,
+        nargs="+",
+        default=None,
+        help="measure at several guidance scales, e.g. --cfg-scales 1 3",
+    )
+    sp.set_defaults(fn=cmd_sample)
+
     i = sub.add_parser("info", help="print the resolved recipe, parameter count and FLOPs per sample")
     i.add_argument("recipe", type=Path)
     i.add_argument("overrides", nargs="*", help="key=value recipe overrides")

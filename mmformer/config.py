@@ -313,6 +313,109 @@ class ASTConfig:
 
 
 @dataclass
+class WhisperConvConfig:
+    """``model.tokenizers.<name>`` of kind ``whisper_conv``: a from-scratch Whisper front end — log-mel as
+    Whisper computes it (16 kHz, 25 ms windows, 10 ms hop) → two 1-D convolutions (the second of stride 2)
+    → sinusoidal positions, one token per 20 ms (``mmformer.tokenizers.audio.WhisperConvTokenizer``;
+    Radford et al. 2022, §2.2). The pretrained stem is ``kind: pretrained, source: whisper-tiny.en``."""
+
+    kind: str = "whisper_conv"
+    n_mels: int = 80
+    max_seconds: float = 30.0  # longer clips are cut (the sinusoids cover 30 s)
+    random_crop: bool = False  # training clips longer than max_seconds: random window instead of the start
+    freq_mask: int = 0  # SpecAugment: widest frequency mask in mel bins (training only; 0 = off)
+    time_mask: int = 0  # SpecAugment: widest time mask in frames
+    gain_db: float = 0.0  # training: random gain in ±gain_db dB
+    shift_seconds: float = 0.0  # training: 0 to shift_seconds of leading silence
+    noise_snr_db: Optional[float] = None  # training: white noise at a random SNR in [noise_snr_db, 40] dB
+
+    @property
+    def sample_rate(self) -> int:
+        return 16_000  # Whisper's log-mel is defined at 16 kHz
+
+    def __post_init__(self) -> None:
+        _positive(self, "n_mels", "max_seconds")
+        if self.max_seconds > 30.0:
+            raise ValueError(f"max_seconds={self.max_seconds}: the Whisper stem has 30 s of positions")
+
+
+@dataclass
+class DiTTokenizerConfig:
+    """``model.tokenizers.<name>`` of kind ``dit``: a noisy image, its timestep and its class → patch
+    tokens with 2-D sin-cos positions + the adaLN conditioning vector (``mmformer.tokenizers.diffusion``;
+    DiT, Peebles & Xie 2023). The backbone needs ``block: adaln``."""
+
+    kind: str = "dit"
+    modality: str = "image"  # reads the batch's images
+    image_size: int = 28
+    patch_size: int = 4
+    in_chans: int = 1
+    num_classes: Optional[int] = None  # class-conditional (with a null class); None = unconditional
+    class_dropout: float = 0.1  # classifier-free guidance: P(label → null class) in training
+
+    def __post_init__(self) -> None:
+        _positive(self, "image_size", "patch_size", "in_chans", "num_classes")
+        _probability(self, "class_dropout")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size={self.image_size} is not divisible by patch_size={self.patch_size}")
+
+
+@dataclass
+class DiTHeadConfig:
+    """``model.heads.<name>`` of kind ``dit``: DiT's adaLN final layer + unpatchify back to an image; with
+    ``learn_sigma`` it also predicts the variance (twice the channels; Nichol & Dhariwal 2021)."""
+
+    kind: str = "dit"
+    learn_sigma: bool = False
+
+
+@dataclass
+class DiffusionTaskConfig:
+    """``tasks.<name>`` of kind ``diffusion``: train a DiT to denoise the task's images.
+
+    ``objective: gaussian`` — DDPM (Ho et al. 2020) with a ``linear`` or ``cosine`` β schedule over
+    ``num_timesteps``, ``eps`` or ``v`` prediction, optional min-SNR-γ weighting; sampled with DDIM or
+    DDPM. ``objective: flow`` — rectified flow (Liu et al. 2022), t ``uniform`` or ``logit_normal``;
+    sampled with Euler or Heun."""
+
+    kind: str = "diffusion"
+    weight: float = 1.0
+    tokenizer: str = MISSING  # a model.tokenizers entry of kind dit
+    head: str = MISSING  # a model.heads entry of kind dit
+    data: dict[str, Any] = field(default_factory=dict)
+    objective: str = "gaussian"  # gaussian | flow
+    num_timesteps: int = 1000
+    beta_schedule: str = "linear"  # linear | cosine
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+    prediction: str = "eps"  # eps | v
+    min_snr_gamma: Optional[float] = None  # e.g. 5.0
+    t_sampling: str = "uniform"  # flow: uniform | logit_normal
+    # the sample grid logged after each validation
+    sample_cfg_scale: float = 4.0
+    sample_steps: int = 50
+    samples_per_class: int = 8
+
+    def __post_init__(self) -> None:
+        choices = {
+            "objective": ("gaussian", "flow"),
+            "beta_schedule": ("linear", "cosine"),
+            "prediction": ("eps", "v"),
+            "t_sampling": ("uniform", "logit_normal"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; choose {' | '.join(allowed)}")
+        _positive(
+            self, "num_timesteps", "sample_steps", "samples_per_class", "sample_cfg_scale", "min_snr_gamma"
+        )
+        if not 0 < self.beta_start < self.beta_end < 1:
+            raise ValueError(f"need 0 < beta_start < beta_end < 1, got {self.beta_start}, {self.beta_end}")
+        if self.weight < 0:
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
+
+
+@dataclass
 class AudioFolderDataConfig:
     """``tasks.<name>.data`` of kind ``audio_folder``: ``root/<split>/<class>/<clip>`` (wav, flac, ogg, …);
     ``root`` is a path or a bundled name (``spoken-words``)."""
@@ -453,8 +556,11 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | linear | constant
     min_lr: float = 0.0
     layer_decay: Optional[float] = None  # layer-wise LR decay: block i of L trains at lr · decay^(L - i)
+    ema_decay: Optional[float] = None  # keep an EMA of the weights (validation, checkpoints, sampling use it)
 
     def __post_init__(self) -> None:
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.name != "adamw":
             raise ValueError(f"optim.name={self.name!r}; only 'adamw' is available")
         if self.schedule not in ("cosine", "linear", "constant"):

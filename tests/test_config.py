@@ -168,3 +168,16 @@ def test_checkpoint_monitor_typo_is_caught_before_training():
     r = load_recipe(QUICKSTART, ["checkpoint.monitor=val/mnist/loss"])
     assert default_monitor(r, build_module(r)) == ("val/mnist/loss", "min")
     assert default_monitor(load_recipe(QUICKSTART), build_module(r)) == ("val/mnist/acc", "max")
+
+
+def test_whisper_conv_tokenizer_is_an_audio_kind_with_thirty_seconds_of_positions():
+    from mmformer.build import build_model, tokenizer_modality
+
+    path = Path(__file__).parents[1] / "recipes/audio/whisper_conv_classify_asterisk_prompts.yaml"
+    r = load_recipe(path, ["model.backbone.n_layers=1"])
+    assert tokenizer_modality(r.model.tokenizers["audio"]) == "audio"
+    assert r.model.tokenizers["audio"].sample_rate == 16_000
+    tok = build_model(r).tokenizers["audio"]
+    assert tok.n_ctx == 251 and tok.pos_embed.shape == (251, 384)  # 5 s: 500 frames → 250 tokens
+    with pytest.raises(RecipeError, match="30 s of positions"):
+        load_recipe(path, ["model.tokenizers.audio.max_seconds=31"])

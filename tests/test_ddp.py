@@ -36,7 +36,7 @@ def test_ddp_two_processes_cpu(tiny_recipe, workdir):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     ddp = _final(res.stdout)
-    assert set(ddp) == {"val/toy/acc", "val/toy/loss"}
+    assert set(ddp) == {"val/toy/acc", "val/toy/balanced_acc", "val/toy/loss"}
     assert res.stdout.count("val/toy/acc") == 1  # printed by rank 0 only
 
     runs = [p for p in (workdir / "runs" / "tiny").iterdir() if p.is_dir()]

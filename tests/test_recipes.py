@@ -45,6 +45,9 @@ def test_recipe_trains_a_few_steps(path, workdir, capsys):
         "trainer.devices=1",
     ]
     overrides += [f"tasks.{name}.data.num_workers=0" for name in recipe.tasks]
+    for name, task in recipe.tasks.items():  # the sample grid after validation: small and few steps
+        if task.kind == "diffusion":
+            overrides += [f"tasks.{name}.sample_steps=2", f"tasks.{name}.samples_per_class=1"]
     assert main(["train", str(path), *overrides]) == 0
     captured = capsys.readouterr()
     out = captured.out

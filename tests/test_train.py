@@ -35,7 +35,10 @@ def test_train_offline_writes_run_folder_wandb_and_checkpoints(tiny_recipe, work
     out = capsys.readouterr().out
     assert "# resolved recipe" in out
     final = {line.split()[0]: float(line.split()[1]) for line in out.splitlines() if line.startswith("val/")}
-    assert set(final) == {"val/toy/acc", "val/toy/loss"} and 0.0 <= final["val/toy/acc"] <= 1.0
+    assert (
+        set(final) == {"val/toy/acc", "val/toy/balanced_acc", "val/toy/loss"}
+        and 0.0 <= final["val/toy/acc"] <= 1.0
+    )
 
     (run,) = _run_dirs(workdir, "tiny")
     assert f"run folder: {run}" in out

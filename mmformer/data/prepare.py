@@ -23,7 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from .roots import DataError, data_root
-from .speech import ASTERISK_DIR, ASTERISK_TRANSCRIPTS, build_asterisk_en, build_spoken_words
+from .speech import (
+    ASTERISK_DIR,
+    ASTERISK_TRANSCRIPTS,
+    build_asterisk_en,
+    build_asterisk_prompts,
+    build_spoken_words,
+)
 
 log = logging.getLogger("mmformer.data")
 
@@ -252,6 +258,14 @@ BUNDLED: dict[str, Bundled] = {
         lambda out: build_asterisk_en(out),
         needs=(str(ASTERISK_DIR / "digits/7.wav"), str(ASTERISK_TRANSCRIPTS)),
         install="apt-get install asterisk-core-sounds-en-wav asterisk-core-sounds-en",
+    ),
+    "asterisk-prompts": Bundled(
+        "asterisk-prompts",
+        "spoken prompt → Asterisk application (9 classes): REAL test clips; REAL train clips + SYNTHETIC TTS "
+        "renderings of the train transcripts (apt espeak-ng flite asterisk-core-sounds-en-wav)",
+        lambda out: build_asterisk_prompts(out),
+        needs=("espeak-ng", "flite", str(ASTERISK_DIR / "vm-intro.wav"), str(ASTERISK_TRANSCRIPTS)),
+        install="apt-get install espeak-ng flite asterisk-core-sounds-en-wav asterisk-core-sounds-en",
     ),
     "wordnet-supersenses": Bundled(
         "wordnet-supersenses",

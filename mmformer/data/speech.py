@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import json
 import random
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -168,4 +169,98 @@ def build_asterisk_en(out: Path, root: Path = ASTERISK_DIR) -> None:
         f"asterisk-en: {sum(map(len, rows.values()))} REAL recordings (one speaker, 8 kHz) with transcripts. "
         f"train {len(rows['train'])} / test {len(rows['test'])}: the 80 single-word clips are test-only; the "
         "others are split 70/30 by a hash of their name (the one split every task uses).\n"
+    )
+
+
+# Asterisk application each prompt belongs to, by file-name prefix (``vm-intro`` → voicemail). Only
+# applications with real clips on both sides of the fixed split are classes; other prompts are left out.
+PROMPT_APPLICATIONS = {
+    "vm-": "voicemail",
+    "conf-": "conference",
+    "confbridge-": "conference",
+    "spy-": "chanspy",
+    "dir-": "directory",
+    "queue-": "queue",
+    "dictate/": "dictate",
+    "demo-": "demo",
+    "priv-": "privacy",
+    "privacy-": "privacy",
+    "agent-": "agent",
+}
+
+
+def prompt_application(name: str) -> str | None:
+    """The Asterisk application a prompt belongs to (``confbridge-join`` → ``conference``), or None."""
+    return next((app for prefix, app in PROMPT_APPLICATIONS.items() if name.startswith(prefix)), None)
+
+
+def _prompt_tts_text(text: str) -> str:
+    """A transcript as the recording's speaker reads it: keypad symbols spoken, stage notes dropped."""
+    text = re.sub(r"\[[^\]]*\]", " ", text).replace("*", " star ").replace("#", " pound ")
+    return " ".join(text.split())
+
+
+TELEPHONE_RATE = 8_000  # Hz, the Asterisk recordings' rate
+
+
+def _to_telephone_rate(path: Path) -> None:
+    """Rewrite a TTS clip at the real recordings' 8 kHz (16-bit PCM): without this, synthetic speech keeps
+    4–11 kHz content that no test clip has, which a 16 kHz model learns to rely on."""
+    import soundfile as sf
+    import torch
+    import torchaudio.functional as AF
+
+    wave, rate = sf.read(path, dtype="float32", always_2d=True)
+    wave = AF.resample(torch.from_numpy(wave.mean(1)), rate, TELEPHONE_RATE)
+    sf.write(path, wave.clamp(-1, 1).numpy(), TELEPHONE_RATE, subtype="PCM_16")
+
+
+def build_asterisk_prompts(out: Path, n_espeak: int = 6, n_flite: int = 2, seed: int = 0) -> None:
+    """Spoken prompt → Asterisk application (voicemail, conference, queue, …: 9 classes).
+
+    ``test.jsonl``: the REAL recordings of the fixed split's test part. ``train.jsonl``: the REAL
+    recordings of its train part, plus ``n_espeak`` espeak-ng and ``n_flite`` flite renderings of each of
+    those train transcripts (``tts/<application>/*.wav``, ``"synthetic": true``), resampled to the real
+    clips' 8 kHz telephone rate. No test transcript is
+    rendered, so no test prompt's words reach training. Rows: ``{"audio", "text", "label", "name",
+    "synthetic"}``."""
+    for tool in ("espeak-ng", "flite"):
+        if shutil.which(tool) is None:
+            raise DataError(f"the {tool!r} TTS program is missing; install it with: apt-get install {tool}")
+    rows: dict[str, list[dict]] = {"train": [], "test": []}
+    single = {str(p.relative_to(ASTERISK_DIR).with_suffix("")) for p in spoken_word_clips().values()}
+    for name, text in sorted(asterisk_transcripts().items()):
+        app, path = prompt_application(name), ASTERISK_DIR / f"{name}.wav"
+        if app is None or name in single or not path.is_file():
+            continue
+        split = asterisk_split(name)
+        rows[split].append({"audio": str(path), "text": text, "label": app, "name": name, "synthetic": False})
+    rng = random.Random(seed)
+    synthetic = []
+    for row in rows["train"]:
+        folder = out / "tts" / row["label"]
+        folder.mkdir(parents=True, exist_ok=True)
+        text, stem = _prompt_tts_text(row["text"]), row["name"].replace("/", "-")
+        for i in range(n_espeak + n_flite):
+            wav = folder / f"{stem}-{'espeak' if i < n_espeak else 'flite'}-{i:02d}.wav"
+            if i < n_espeak:
+                voice = rng.choice(ESPEAK_VOICES) + rng.choice(ESPEAK_VARIANTS)
+                _espeak(text, wav, voice, rng.randint(120, 200), rng.randint(20, 80))
+            else:
+                voice = FLITE_VOICES[rng.randrange(len(FLITE_VOICES))]
+                _flite(text, wav, voice, round(rng.uniform(0.85, 1.25), 2), rng.randint(80, 200))
+            _to_telephone_rate(wav)
+            synthetic.append({**row, "audio": str(wav.relative_to(out)), "synthetic": True})
+    rows["train"] += synthetic
+    for split, split_rows in rows.items():
+        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in split_rows))
+    n_real = len(rows["train"]) - len(synthetic)
+    (out / "README.md").write_text(
+        "asterisk-prompts: which Asterisk application (voicemail, conference, chanspy, directory, queue, "
+        "dictate, demo, privacy, agent) a spoken prompt belongs to, from its file name.\n"
+        f"train.jsonl: {n_real} REAL recordings (the train part of the fixed asterisk-en split) + "
+        f"{len(synthetic)} SYNTHETIC renderings of their transcripts ({n_espeak} espeak-ng + {n_flite} flite "
+        f"each, seed {seed}, resampled to 8 kHz like the real clips) under tts/.\n"
+        f"test.jsonl: {len(rows['test'])} REAL recordings (the test part of the split); no test transcript is "
+        "rendered.\n"
     )

@@ -84,3 +84,51 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
         return self.head(hidden)
+
+
+class DiTFinalLayer(nn.Module):
+    """DiT's output layer: adaLN-modulated LayerNorm → Linear to ``p·p·C_out`` per token → unpatchify
+    (Peebles & Xie 2023, §3.2; facebookresearch/DiT ``FinalLayer`` and ``unpatchify``). Zero-initialised
+    (``adaLN_modulation`` and ``linear``), so the model predicts zeros at initialisation.
+
+    Args:
+        d_model: hidden width ``D``.
+        patch_size: ``p``; grid_size: the tokenizer's ``(Gh, Gw)``.
+        out_chans: ``C_out`` — the image channels, doubled with a learned variance (Nichol & Dhariwal
+            2021): the first half the mean prediction (ε, v or velocity), the second the variance
+            interpolation.
+        d_cond: conditioning width (default ``D``).
+
+    ``forward(hidden (B, N, D), tokens, cond (B, Dc)) → (B, C_out, Gh·p, Gw·p)`` in the hidden dtype.
+    Raises ``ValueError`` without ``cond`` or when ``N != Gh·Gw``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        patch_size: int,
+        grid_size: tuple[int, int],
+        out_chans: int,
+        d_cond: int | None = None,
+    ):
+        super().__init__()
+        self.patch_size, self.grid_size, self.out_chans = patch_size, tuple(grid_size), out_chans
+        self.norm_final = nn.LayerNorm(d_model, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(d_model, patch_size * patch_size * out_chans)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d_cond or d_model, 2 * d_model))
+        for layer in (self.linear, self.adaLN_modulation[-1]):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, hidden: Tensor, tokens: Tokens, cond: Tensor | None = None) -> Tensor:
+        if cond is None:
+            raise ValueError("DiTFinalLayer needs the conditioning vector cond (B, Dc)")
+        (Gh, Gw), p, C = self.grid_size, self.patch_size, self.out_chans
+        B, N, _ = hidden.shape
+        if N != Gh * Gw:
+            raise ValueError(f"expected {Gh}×{Gw} = {Gh * Gw} patch tokens, got {N}")
+        shift, scale = self.adaLN_modulation(cond).chunk(2, dim=-1)
+        x = self.norm_final(hidden) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+        x = self.linear(x)  # (B, N, p·p·C), channels last within each patch as DiT
+        x = x.reshape(B, Gh, Gw, p, p, C)
+        return x.permute(0, 5, 1, 3, 2, 4).reshape(B, C, Gh * p, Gw * p)  # DiT: nhwpqc → nchpwq

@@ -39,9 +39,15 @@ class MultimodalModel(nn.Module):
         return self.backbone(tokens, cache=cache), tokens
 
     def forward(self, inputs: Tensor, tokenizer: str, head: str, cache=None, **tokenizer_kwargs) -> Tensor:
-        """``heads[head](backbone(tokenizers[tokenizer](inputs)))``."""
-        hidden, tokens = self.encode(tokenizer, inputs, cache, **tokenizer_kwargs)
-        return self.heads[head](hidden, tokens)
+        """``heads[head](backbone(tokenizers[tokenizer](inputs)))``. A conditioning tokenizer (DiT) returns
+        ``(Tokens, cond (B, Dc))``: ``cond`` then reaches the backbone's adaLN blocks and the head."""
+        if tokenizer not in self.tokenizers:
+            raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
+        out = self.tokenizers[tokenizer](inputs, **tokenizer_kwargs)
+        if isinstance(out, tuple):
+            tokens, cond = out
+            return self.heads[head](self.backbone(tokens, cond=cond, cache=cache), tokens, cond)
+        return self.heads[head](self.backbone(out, cache=cache), out)
 
     def no_weight_decay(self) -> set[str]:
         """Full names of parameters exempt from weight decay besides norms and biases

@@ -1,4 +1,5 @@
-"""Classification objective: cross-entropy on a head's logits; accuracy and loss on validation.
+"""Classification objective: cross-entropy on a head's logits; loss, accuracy and balanced accuracy (mean
+per-class recall) on validation.
 
 Batch keys: ``image`` (or ``text`` with ``text_valid``) and ``label`` ``(B,)`` long.
 """
@@ -42,6 +43,9 @@ class ClassificationTask(nn.Module):
             {
                 "loss": MeanMetric(),
                 "acc": MulticlassAccuracy(num_classes=num_classes, average="micro"),
+                # mean per-class recall: what accuracy hides on imbalanced sets (classes absent from
+                # validation and never predicted are left out of the mean)
+                "balanced_acc": MulticlassAccuracy(num_classes=num_classes, average="macro"),
             }
         )
 
@@ -63,3 +67,4 @@ class ClassificationTask(nn.Module):
         loss = F.cross_entropy(logits.float(), batch["label"], reduction="none")
         self.val_metrics["loss"].update(loss)
         self.val_metrics["acc"].update(logits, batch["label"])
+        self.val_metrics["balanced_acc"].update(logits, batch["label"])

@@ -106,6 +106,12 @@ class MultiTaskModule(L.LightningModule):
                     batch_size=task.batch_size(task_batch),
                 )
 
+    def on_validation_epoch_start(self) -> None:
+        for task in self.tasks.values():  # e.g. a diffusion task re-seeds its validation noise
+            hook = getattr(task, "on_validation_epoch_start", None)
+            if hook is not None:
+                hook()
+
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             self.log("train/grad_norm", grad_norm(self.model, norm_type=2)["grad_2.0_norm_total"])

@@ -221,3 +221,50 @@ class AudioSamples(L.Callback):
                         data=data,
                         step=trainer.global_step,
                     )
+
+
+class DiffusionSamples(L.Callback):
+    """After each validation, every diffusion task samples a grid from fixed noise — one row per class
+    (the task's ``samples_per_class`` each, guided with its ``sample_cfg_scale``) for class-conditional
+    models, ``n`` samples otherwise — with the
+    validation weights (the EMA weights when ``optim.ema_decay`` is set), saves it as
+    ``<run>/samples/<task>-step<N>.png`` and logs it to W&B as ``samples/<task>``."""
+
+    def __init__(self, n: int = 64, seed: int = 0):
+        self.n, self.seed = n, seed
+        self.last: dict[str, str] = {}  # task → PNG path
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        from pathlib import Path
+
+        import torch
+        from lightning.pytorch.loggers import WandbLogger
+        from torchvision.utils import make_grid, save_image
+
+        from ..tasks.diffusion import DiffusionTask
+
+        for name, task in pl_module.tasks.items():
+            if not isinstance(task, DiffusionTask):
+                continue
+            k = pl_module.model.tokenizers[task.tokenizer].num_classes
+            per_class = task.samples_per_class
+            labels = torch.arange(k).repeat_interleave(per_class) if k else None
+            generator = torch.Generator(pl_module.device).manual_seed(self.seed)
+            images = task.sample(
+                pl_module.model,
+                labels,
+                n=self.n,
+                cfg_scale=task.sample_cfg_scale if k else 1.0,
+                steps=task.sample_steps,
+                generator=generator,
+            )
+            grid = make_grid((images.float().cpu() + 1) / 2, nrow=per_class if k else 8, padding=1)
+            out = Path(trainer.default_root_dir) / "samples" / f"{name}-step{trainer.global_step:06d}.png"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            save_image(grid, out)
+            self.last[name] = str(out)
+            for lg in trainer.loggers:
+                if isinstance(lg, WandbLogger):
+                    lg.log_image(key=f"samples/{name}", images=[grid], step=trainer.global_step)

@@ -1,0 +1,137 @@
+"""Sampling from diffusion checkpoints and measuring the samples with a trained classifier.
+
+Quality is measured, not eyeballed (the metrics of DiT §5 and of class-conditional generation in
+general): the accuracy of a classifier trained on real images at recognising the requested class of
+each sample, and the Fréchet distance (Heusel et al. 2017) between generated and real validation
+images in that classifier's pooled feature space — torchmetrics' ``FrechetInceptionDistance`` with
+the classifier in place of Inception (the 28×28 digits are not ImageNet images).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .config import RecipeError, recipe_from_yaml
+
+
+@dataclass
+class Loaded:
+    """A model rebuilt from a training checkpoint, with its recipe and objectives."""
+
+    module: nn.Module  # the MultiTaskModule
+    recipe: object
+
+    @property
+    def model(self):
+        return self.module.model
+
+
+def load_checkpoint(path: Path, task_kind: str) -> tuple[Loaded, str]:
+    """``(loaded, task name)`` for the first task of kind ``task_kind`` in an mmformer checkpoint (the
+    weights it holds: EMA weights when the run kept them). Raises ``FileNotFoundError``/``RecipeError``."""
+    from .build import build_module
+    from .cli import _pin_checkpoint_tokenizers
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    state = ckpt.get("mmformer", {})
+    if "recipe_yaml" not in state:
+        raise RecipeError(f"{path} is not an mmformer training checkpoint (it carries no recipe)")
+    recipe = recipe_from_yaml(state["recipe_yaml"])
+    name = next((n for n, t in recipe.tasks.items() if t.kind == task_kind), None)
+    if name is None:
+        kinds = sorted({t.kind for t in recipe.tasks.values()})
+        raise RecipeError(f"{path} has no {task_kind} task (its tasks are {', '.join(kinds)})")
+    _pin_checkpoint_tokenizers(ckpt)
+    try:
+        module = build_module(recipe)
+    finally:
+        _pin_checkpoint_tokenizers(None)
+    module.load_state_dict(ckpt["state_dict"])
+    return Loaded(module.eval(), recipe), name
+
+
+class ClassifierFeatures(nn.Module):
+    """A trained image classifier as a feature extractor: ``uint8 (B, C, H, W)`` → the pooled (and
+    ``fc_norm``-ed) features its head projects, ``(B, D)`` float; ``logits(images)`` → ``(B, K)``."""
+
+    def __init__(self, loaded: Loaded, task_name: str):
+        super().__init__()
+        task = loaded.module.tasks[task_name]
+        self.model, self.tokenizer, self.head = loaded.model, task.tokenizer, task.head
+        self.num_features = self.model.backbone.d_model
+
+    def forward(self, images: Tensor) -> Tensor:
+        captured = []
+        linear = self.model.heads[self.head].head
+        handle = linear.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+        try:
+            self.model(images, self.tokenizer, self.head)
+        finally:
+            handle.remove()
+        return captured[0].float()
+
+    def logits(self, images: Tensor) -> Tensor:
+        return self.model(images, self.tokenizer, self.head).float()
+
+
+@torch.no_grad()
+def evaluate_class_conditional(
+    diffusion: Loaded,
+    task_name: str,
+    classifier: ClassifierFeatures,
+    real: Tensor,
+    per_class: int = 100,
+    cfg_scale: float = 1.0,
+    steps: int = 50,
+    sampler: str | None = None,
+    seed: int = 0,
+    batch_size: int = 250,
+) -> dict[str, float]:
+    """Sample ``per_class`` images of every class and return ``{"accuracy", "frechet_distance",
+    "samples"}``: the classifier's accuracy on the requested classes and the Fréchet distance between
+    the samples' and the ``real`` images' (uint8 ``(N, C, H, W)``) classifier features."""
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    from .tasks.diffusion import to_uint8
+
+    task = diffusion.module.tasks[task_name]
+    k = diffusion.model.tokenizers[task.tokenizer].num_classes
+    if not k:
+        raise RecipeError("class-conditional evaluation needs a class-conditional diffusion model")
+    fid = FrechetInceptionDistance(feature=classifier, normalize=False)
+    for i in range(0, len(real), batch_size):
+        fid.update(real[i : i + batch_size], real=True)
+    labels = torch.arange(k).repeat_interleave(per_class)
+    generator = torch.Generator().manual_seed(seed)
+    correct = 0
+    for i in range(0, len(labels), batch_size):
+        y = labels[i : i + batch_size]
+        images = to_uint8(
+            task.sample(
+                diffusion.model, y, cfg_scale=cfg_scale, steps=steps, sampler=sampler, generator=generator
+            )
+        )
+        correct += int((classifier.logits(images).argmax(-1) == y).sum())
+        fid.update(images, real=False)
+    return {
+        "accuracy": correct / len(labels),
+        "frechet_distance": float(fid.compute()),
+        "samples": float(len(labels)),
+    }
+
+
+def real_images(loaded: Loaded, task_name: str, limit: int | None = None) -> Tensor:
+    """The validation images of a task's data, uint8 ``(N, C, H, W)``."""
+    from .build import build_datamodule
+
+    datamodule = build_datamodule(loaded.recipe)
+    datamodule.setup("validate")
+    data = datamodule.data[task_name].val
+    n = len(data) if limit is None else min(limit, len(data))
+    return torch.stack([data[i]["image"] for i in range(n)])
