@@ -78,6 +78,7 @@ from .training.callbacks import (
     AudioSamples,
     BadSampleReport,
     DiffusionSamples,
+    EMAWeights,
     TextSamples,
     ThroughputLogger,
 )
@@ -151,8 +152,38 @@ def build_diffusion(cfg: DiffusionTaskConfig, recipe: RecipeConfig) -> Diffusion
         raise RecipeError(
             f"task kind 'diffusion' needs a tokenizer and a head of kind dit, got {tok.kind}, {head.kind}"
         )
-    if recipe.model.backbone.kind == "transformer" and recipe.model.backbone.block != "adaln":
+    bb = recipe.model.backbone
+    if bb.kind == "transformer" and bb.block != "adaln":
         raise RecipeError("a diffusion task conditions through adaLN: set model.backbone.block: adaln")
+    if bb.kind == "transformer" and bb.d_cond not in (None, bb.d_model):
+        raise RecipeError(
+            f"model.backbone.d_cond={bb.d_cond}: the DiT tokenizer's conditioning has d_model width"
+        )
+    if tok.num_classes and tok.class_dropout == 0 and cfg.sample_cfg_scale != 1:
+        raise RecipeError(
+            "classifier-free guidance (sample_cfg_scale != 1) needs the null class trained: set the "
+            "tokenizer's class_dropout > 0 (e.g. 0.1) or tasks.<name>.sample_cfg_scale: 1"
+        )
+    defaults = DiffusionTaskConfig(tokenizer="", head="")
+    if cfg.objective == "flow":
+        ignored = [
+            k
+            for k in (
+                "num_timesteps",
+                "beta_schedule",
+                "beta_start",
+                "beta_end",
+                "prediction",
+                "min_snr_gamma",
+            )
+            if getattr(cfg, k) != getattr(defaults, k)
+        ]
+        if ignored:
+            raise RecipeError(f"{', '.join(ignored)} apply to objective: gaussian, not flow; remove them")
+    elif cfg.t_sampling != defaults.t_sampling:
+        raise RecipeError("t_sampling applies to objective: flow; remove it")
+    elif cfg.sample_steps > cfg.num_timesteps:
+        raise RecipeError(f"sample_steps={cfg.sample_steps} exceeds num_timesteps={cfg.num_timesteps}")
     if cfg.objective == "flow":
         if head.learn_sigma:
             raise RecipeError(
@@ -545,12 +576,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         if recipe.trainer.enable_progress_bar
         else []
     )
-    ema = []
-    if recipe.optim.ema_decay is not None:
-        from lightning.pytorch.callbacks import WeightAveraging
-        from torch.optim.swa_utils import get_ema_multi_avg_fn
-
-        ema = [WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(recipe.optim.ema_decay))]
+    ema = [EMAWeights(recipe.optim.ema_decay)] if recipe.optim.ema_decay is not None else []
     loggers = build_loggers(
         recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
     )

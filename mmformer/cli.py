@@ -327,10 +327,15 @@ def cmd_sample(args) -> int:
         classifier, cls_task = load_checkpoint(args.classifier, "classification")
         features = ClassifierFeatures(classifier, cls_task)
         real = real_images(loaded, name)
-        for scale in args.cfg_scale_list or [args.cfg_scale]:
-            scores = evaluate_class_conditional(
-                loaded, name, features, real, args.per_class, scale, args.steps, args.sampler, args.seed
-            )
+        scales = args.cfg_scale_list or [args.cfg_scale]
+        if min(scales) < 0:
+            raise UsageError(f"guidance scales must be >= 0, got {scales}")
+        for scale, scores in zip(
+            scales,
+            evaluate_class_conditional(
+                loaded, name, features, real, args.per_class, scales, args.steps, args.sampler, args.seed
+            ),
+        ):
             print(
                 f"cfg_scale {scale:g} steps {args.steps} sampler {args.sampler or 'default'}: "
                 f"classifier accuracy {scores['accuracy']:.4f}, Fréchet distance {scores['frechet_distance']:.3f} "
@@ -339,8 +344,8 @@ def cmd_sample(args) -> int:
     if args.out is not None:
         if args.class_ is not None:
             labels = torch.full((args.n,), args.class_, dtype=torch.long)
-        elif k:  # one row per class
-            labels = torch.arange(k).repeat_interleave(max(1, args.n // k))
+        elif k:  # one row of --n samples per class
+            labels = torch.arange(k).repeat_interleave(args.n)
         else:
             labels = None
         try:
@@ -355,7 +360,7 @@ def cmd_sample(args) -> int:
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
-        nrow = max(1, args.n // k) if k and args.class_ is None else 8
+        nrow = args.n if k and args.class_ is None else 8
         args.out.parent.mkdir(parents=True, exist_ok=True)
         save_image(make_grid((images + 1) / 2, nrow=nrow, padding=1), args.out)
         print(f"wrote {len(images)} samples to {args.out}")
@@ -476,11 +481,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("checkpoint", type=Path)
     sp.add_argument("--class", dest="class_", type=int, default=None, help="class id (default: every class)")
-    sp.add_argument("--n", type=_positive_int, default=16, help="number of samples in the grid")
+    sp.add_argument(
+        "--n",
+        type=_positive_int,
+        default=8,
+        help="samples of --class, or per class (one row each) without it",
+    )
     sp.add_argument(
         "--cfg-scale", type=_non_negative_float, default=1.0, help="classifier-free guidance; 1 = off"
     )
-    sp.add_argument("--steps", type=_positive_int, default=50, help="sampling steps (DDIM / Euler / Heun)")
+    sp.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=50,
+        help="sampling steps (DDIM / Euler / Heun; DDPM uses all T)",
+    )
     sp.add_argument("--sampler", choices=["ddim", "ddpm", "euler", "heun"], default=None)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--out", type=Path, default=None, help="PNG grid to write")

@@ -87,15 +87,16 @@ def evaluate_class_conditional(
     classifier: ClassifierFeatures,
     real: Tensor,
     per_class: int = 100,
-    cfg_scale: float = 1.0,
+    cfg_scales: tuple[float, ...] = (1.0,),
     steps: int = 50,
     sampler: str | None = None,
     seed: int = 0,
     batch_size: int = 250,
-) -> dict[str, float]:
-    """Sample ``per_class`` images of every class and return ``{"accuracy", "frechet_distance",
-    "samples"}``: the classifier's accuracy on the requested classes and the Fréchet distance between
-    the samples' and the ``real`` images' (uint8 ``(N, C, H, W)``) classifier features."""
+) -> list[dict[str, float]]:
+    """For each guidance scale, sample ``per_class`` images of every class (the same seed, so the same
+    initial noise) and return ``{"accuracy", "frechet_distance", "samples"}``: the classifier's accuracy
+    on the requested classes and the Fréchet distance between the samples' and the ``real`` images'
+    (uint8 ``(N, C, H, W)``) classifier features (the real features are computed once)."""
     from torchmetrics.image.fid import FrechetInceptionDistance
 
     from .tasks.diffusion import to_uint8
@@ -104,26 +105,32 @@ def evaluate_class_conditional(
     k = diffusion.model.tokenizers[task.tokenizer].num_classes
     if not k:
         raise RecipeError("class-conditional evaluation needs a class-conditional diffusion model")
-    fid = FrechetInceptionDistance(feature=classifier, normalize=False)
+    fid = FrechetInceptionDistance(feature=classifier, normalize=False, reset_real_features=False)
     for i in range(0, len(real), batch_size):
         fid.update(real[i : i + batch_size], real=True)
     labels = torch.arange(k).repeat_interleave(per_class)
-    generator = torch.Generator().manual_seed(seed)
-    correct = 0
-    for i in range(0, len(labels), batch_size):
-        y = labels[i : i + batch_size]
-        images = to_uint8(
-            task.sample(
-                diffusion.model, y, cfg_scale=cfg_scale, steps=steps, sampler=sampler, generator=generator
+    results = []
+    for scale in cfg_scales:
+        fid.reset()  # the generated features only
+        generator = torch.Generator().manual_seed(seed)
+        correct = 0
+        for i in range(0, len(labels), batch_size):
+            y = labels[i : i + batch_size]
+            images = to_uint8(
+                task.sample(
+                    diffusion.model, y, cfg_scale=scale, steps=steps, sampler=sampler, generator=generator
+                )
             )
+            correct += int((classifier.logits(images).argmax(-1) == y).sum())
+            fid.update(images, real=False)
+        results.append(
+            {
+                "accuracy": correct / len(labels),
+                "frechet_distance": float(fid.compute()),
+                "samples": float(len(labels)),
+            }
         )
-        correct += int((classifier.logits(images).argmax(-1) == y).sum())
-        fid.update(images, real=False)
-    return {
-        "accuracy": correct / len(labels),
-        "frechet_distance": float(fid.compute()),
-        "samples": float(len(labels)),
-    }
+    return results
 
 
 def real_images(loaded: Loaded, task_name: str, limit: int | None = None) -> Tensor:

@@ -33,21 +33,26 @@ class MultimodalModel(nn.Module):
 
         Returns ``(hidden (B, N, D), tokens)``. Raises ``KeyError`` naming the known tokenizers.
         """
+        hidden, tokens, _ = self._run(tokenizer, inputs, cache, tokenizer_kwargs)
+        return hidden, tokens
+
+    def _run(
+        self, tokenizer: str, inputs: Tensor, cache, kwargs: dict
+    ) -> tuple[Tensor, Tokens, Tensor | None]:
         if tokenizer not in self.tokenizers:
             raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
-        tokens = self.tokenizers[tokenizer](inputs, **tokenizer_kwargs)
-        return self.backbone(tokens, cache=cache), tokens
+        out = self.tokenizers[tokenizer](inputs, **kwargs)
+        tokens, cond = out if isinstance(out, tuple) else (out, None)  # DiT: (Tokens, cond (B, Dc))
+        hidden = self.backbone(tokens, cache=cache, **({"cond": cond} if cond is not None else {}))
+        return hidden, tokens, cond
 
     def forward(self, inputs: Tensor, tokenizer: str, head: str, cache=None, **tokenizer_kwargs) -> Tensor:
         """``heads[head](backbone(tokenizers[tokenizer](inputs)))``. A conditioning tokenizer (DiT) returns
         ``(Tokens, cond (B, Dc))``: ``cond`` then reaches the backbone's adaLN blocks and the head."""
-        if tokenizer not in self.tokenizers:
-            raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
-        out = self.tokenizers[tokenizer](inputs, **tokenizer_kwargs)
-        if isinstance(out, tuple):
-            tokens, cond = out
-            return self.heads[head](self.backbone(tokens, cond=cond, cache=cache), tokens, cond)
-        return self.heads[head](self.backbone(out, cache=cache), out)
+        hidden, tokens, cond = self._run(tokenizer, inputs, cache, tokenizer_kwargs)
+        if cond is not None:
+            return self.heads[head](hidden, tokens, cond)
+        return self.heads[head](hidden, tokens)
 
     def no_weight_decay(self) -> set[str]:
         """Full names of parameters exempt from weight decay besides norms and biases

@@ -89,7 +89,13 @@ class DiffusionTask(nn.Module):
         return model(x_t, self.tokenizer, self.head, t=t, labels=labels, force_drop=force_drop).float()
 
     def _labels(self, model: MultimodalModel, batch: dict) -> Tensor | None:
-        return batch.get("label") if model.tokenizers[self.tokenizer].num_classes else None
+        if not model.tokenizers[self.tokenizer].num_classes:
+            return None
+        if "label" not in batch:
+            raise ValueError(
+                "a class-conditional diffusion model needs 'label' in its batches (an image folder)"
+            )
+        return batch["label"]
 
     def _loss(self, model: MultimodalModel, x0: Tensor, labels: Tensor | None, generator) -> Tensor:
         noise = torch.randn(x0.shape, generator=generator, device=x0.device)
@@ -130,7 +136,7 @@ class DiffusionTask(nn.Module):
         eta: float = 0.0,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Images ``(B, C, H, W)`` float in [-1, 1]: ``B = len(labels)`` (class-conditional) or ``n``.
+        """Images ``(B, C, H, W)`` float, clamped to [-1, 1]: ``B = len(labels)`` (class-conditional) or ``n``.
 
         ``sampler``: ``ddim`` (default) or ``ddpm`` (all T steps) for Gaussian diffusion, ``euler``
         (default) or ``heun`` for rectified flow. ``cfg_scale`` > 1 applies classifier-free guidance
@@ -163,11 +169,13 @@ class DiffusionTask(nn.Module):
                 fn = lambda x, t: self.denoise(model, x, t)  # noqa: E731
             if self.kind == "flow":
                 run = self.process.euler_sample if sampler == "euler" else self.process.heun_sample
-                return run(fn, shape, steps=steps, generator=generator, device=device)
-            if sampler == "ddpm":
-                return ddpm_sample(self.process, fn, shape, generator=generator, device=device)
-            return ddim_sample(
-                self.process, fn, shape, steps=steps, eta=eta, generator=generator, device=device
-            )
+                images = run(fn, shape, steps=steps, generator=generator, device=device)
+            elif sampler == "ddpm":  # ancestral: all T steps, `steps` does not apply
+                images = ddpm_sample(self.process, fn, shape, generator=generator, device=device)
+            else:
+                images = ddim_sample(
+                    self.process, fn, shape, steps=steps, eta=eta, generator=generator, device=device
+                )
+            return images.clamp(-1, 1)
         finally:
             model.train(was_training)

@@ -43,23 +43,21 @@ def sincos_pos_embed_2d(d_model: int, grid_size: tuple[int, int]) -> Tensor:
 
 
 class TimestepEmbedder(nn.Module):
-    """Timesteps → vectors: ``[cos(s·t·ω), sin(s·t·ω)]`` over ``freq_dim`` frequencies
+    """Timesteps → vectors: ``[cos(t·ω), sin(t·ω)]`` over ``freq_dim`` frequencies
     (``ω_i = max_period^(-i / (freq_dim/2))``) → Linear → SiLU → Linear (DiT ``TimestepEmbedder``).
 
     Args:
         d_model: output width.
         freq_dim: sinusoid features (256 in DiT).
-        time_scale: ``s``, multiplies ``t`` first. Integer DDPM steps in [0, 1000) use 1; continuous
-            flow-matching times in [0, 1] use 1000, so both spread over the same frequencies.
+    Integer DDPM steps in [0, 1000) go in as they are; rectified-flow times t ∈ [0, 1] go in as 1000·t
+    (``DiffusionTask`` scales them), so both spread over the same frequencies.
 
     ``forward(t (B,) int or float) → (B, D)`` float.
     """
 
-    def __init__(
-        self, d_model: int, freq_dim: int = 256, time_scale: float = 1.0, max_period: float = 10_000
-    ):
+    def __init__(self, d_model: int, freq_dim: int = 256, max_period: float = 10_000):
         super().__init__()
-        self.freq_dim, self.time_scale, self.max_period = freq_dim, time_scale, max_period
+        self.freq_dim, self.max_period = freq_dim, max_period
         self.mlp = nn.Sequential(nn.Linear(freq_dim, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
         for layer in (self.mlp[0], self.mlp[2]):
             nn.init.normal_(layer.weight, std=0.02)  # DiT initialize_weights
@@ -68,7 +66,7 @@ class TimestepEmbedder(nn.Module):
     def frequencies(self, t: Tensor) -> Tensor:
         half = self.freq_dim // 2
         freqs = torch.exp(-math.log(self.max_period) * torch.arange(half, device=t.device) / half)
-        args = (t.float() * self.time_scale)[:, None] * freqs[None]
+        args = t.float()[:, None] * freqs[None]
         return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
     def forward(self, t: Tensor) -> Tensor:
@@ -104,7 +102,13 @@ class LabelEmbedder(nn.Module):
         return torch.where(drop, torch.full_like(labels, self.null_class), labels)
 
     def forward(self, labels: Tensor, force_drop: Tensor | None = None) -> Tensor:
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) > self.num_classes):
+        # checked where it costs no device sync (the data pipeline's labels arrive on the CPU in tests and
+        # CPU runs; on accelerators an out-of-range id fails in the embedding lookup)
+        if (
+            labels.device.type == "cpu"
+            and labels.numel()
+            and (labels.min() < 0 or labels.max() > self.num_classes)
+        ):
             raise ValueError(f"class labels must be in [0, {self.num_classes}] ({self.num_classes} = null)")
         return self.embedding_table(self.drop(labels, force_drop))
 
@@ -176,10 +180,11 @@ class DiTTokenizer(nn.Module):
         B = x_t.shape[0]
         if t is None:  # shape-only uses (FLOP counting, `mmformer info`)
             t = torch.zeros(B, device=x_t.device)
+        x_t = x_t.to(self.x_embedder.proj.weight.dtype)  # float32 noise into bf16 weights (bf16-true)
         x = self.x_embedder(x_t) + self.pos_embed.to(x_t.dtype)
         cond = self.t_embedder(t)
         if self.y_embedder is not None:
-            if labels is None:
+            if labels is None:  # unconditional use of a conditional model: the null class, explicitly
                 labels = torch.full((B,), self.y_embedder.null_class, device=x_t.device, dtype=torch.long)
             cond = cond + self.y_embedder(labels, force_drop)
         elif labels is not None:

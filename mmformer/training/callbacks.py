@@ -1,4 +1,5 @@
-"""Callbacks: throughput (samples/s through Lightning's ``Throughput``), unreadable-sample report."""
+"""Callbacks: throughput (samples/s through Lightning's ``Throughput``), unreadable-sample report, text /
+audio / image samples for W&B, and the EMA of the weights."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks import WeightAveraging
 
 log = logging.getLogger("mmformer")
 
@@ -223,6 +225,43 @@ class AudioSamples(L.Callback):
                     )
 
 
+class EMAWeights(WeightAveraging):
+    """An exponential moving average of the weights (Lightning's ``WeightAveraging``), with the decay
+    warmed up as ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates (as diffusers' ``EMAModel`` and
+    timm's ``ModelEmaV3`` do) so that short runs do not carry the initial weights: validation, every
+    checkpoint's ``state_dict`` and the sample grids use the average.
+
+    Lightning copies the average into the model when training ends, before ``last.ckpt`` is written;
+    this keeps the raw weights so that the final checkpoint still resumes from them
+    (``current_model_state``)."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        super().__init__(multi_avg_fn=self._update)
+        self._raw_state: dict | None = None
+
+    def _update(self, averaged: list, current: list, num_averaged) -> None:
+        n = float(num_averaged)
+        decay = min(self.decay, (1 + n) / (10 + n))
+        pairs = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]  # not step counters
+        if pairs:
+            torch._foreach_lerp_([a for a, _ in pairs], [c for _, c in pairs], 1 - decay)
+
+    @property
+    def average(self):
+        """The averaged LightningModule (None before fit)."""
+        return self._average_model.module if self._average_model is not None else None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._raw_state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        super().on_train_end(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if self._raw_state is not None:  # after training ended: the model now holds the average
+            checkpoint["current_model_state"] = self._raw_state
+
+
 class DiffusionSamples(L.Callback):
     """After each validation, every diffusion task samples a grid from fixed noise — one row per class
     (the task's ``samples_per_class`` each, guided with its ``sample_cfg_scale``) for class-conditional
@@ -249,11 +288,14 @@ class DiffusionSamples(L.Callback):
             if not isinstance(task, DiffusionTask):
                 continue
             k = pl_module.model.tokenizers[task.tokenizer].num_classes
+            ema = next((c for c in trainer.callbacks if isinstance(c, EMAWeights)), None)
+            # Lightning swaps the raw weights back before on_validation_end: sample from the average
+            model = ema.average.model if ema is not None and ema.average is not None else pl_module.model
             per_class = task.samples_per_class
             labels = torch.arange(k).repeat_interleave(per_class) if k else None
             generator = torch.Generator(pl_module.device).manual_seed(self.seed)
             images = task.sample(
-                pl_module.model,
+                model,
                 labels,
                 n=self.n,
                 cfg_scale=task.sample_cfg_scale if k else 1.0,

@@ -385,3 +385,10 @@ def test_flow_samplers_recover_point_mass(steps):
     out = flow.heun_sample(velocity, SHAPE, steps=steps, x_1=_noise(dtype=torch.float32))
     assert torch.allclose(out, x_star, atol=1e-5)
     assert len(seen) == 2 * steps - 1
+
+
+def test_schedule_tables_stay_float64_when_the_model_is_cast_to_bf16():
+    d = GaussianDiffusion(beta_schedule("linear", 100))
+    ref = d.alphas_cumprod.clone()
+    d.to(torch.bfloat16)
+    assert d.alphas_cumprod.dtype == torch.float64 and torch.equal(d.alphas_cumprod, ref)

@@ -3,11 +3,16 @@ writes sample grids, checkpoints the EMA weights, validates reproducibly and sam
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from PIL import Image
 
 from mmformer.cli import main
 from tests.conftest import make_image_folder
+
+MNIST_RECIPE = Path(__file__).parents[2] / "recipes/diffusion/dit_classcond_mnist5k.yaml"
 
 RECIPE = """\
 name: tinydit
@@ -94,3 +99,41 @@ def test_flow_matching_trains(workdir, capsys):
 def test_learned_variance_trains(workdir, capsys):
     _, _, out = _train(workdir, capsys, learn_sigma="true")
     assert "val/toy/loss" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.tokenizers.image.class_dropout=0"], "needs the null class trained"),
+        (["tasks.digits.objective=flow", "tasks.digits.prediction=v"], "prediction, min_snr_gamma apply to"),
+        (["tasks.digits.t_sampling=logit_normal"], "t_sampling applies to objective: flow"),
+        (["tasks.digits.num_timesteps=20"], "sample_steps=50 exceeds num_timesteps=20"),
+        (["model.backbone.block=pre"], "set model.backbone.block: adaln"),
+        (
+            [
+                "tasks.digits.objective=flow",
+                "tasks.digits.min_snr_gamma=null",
+                "model.heads.eps.learn_sigma=true",
+            ],
+            "learn_sigma is for objective",
+        ),
+    ],
+)
+def test_recipe_mistakes_are_named(overrides, message):
+    from mmformer.build import build_module
+    from mmformer.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=message):
+        build_module(load_recipe(MNIST_RECIPE, overrides))
+
+
+def test_ema_warms_up_and_skips_integer_tensors():
+    from mmformer.training.callbacks import EMAWeights
+
+    ema = EMAWeights(0.999)
+    avg, cur = [torch.zeros(3), torch.tensor([7])], [torch.ones(3), torch.tensor([9])]
+    ema._update(avg, cur, torch.tensor(0))  # n = 0: decay min(0.999, 1/10) = 0.1
+    torch.testing.assert_close(avg[0], torch.full((3,), 0.9))
+    assert avg[1].item() == 7
+    ema._update(avg, cur, torch.tensor(10_000))  # later: the configured decay
+    torch.testing.assert_close(avg[0], torch.full((3,), 0.9 + 0.1 * 0.001))

@@ -131,6 +131,17 @@ class GaussianDiffusion(nn.Module):
         for name, value in tables.items():
             self.register_buffer(name, value, persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)`` moves the tables; ``.to(dtype)`` / ``.half()`` (``precision: bf16-true``) leave
+        them float64: each value is converted only where it is used (``_extract``)."""
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
     @property
     def num_timesteps(self) -> int:
         """``T``, the number of diffusion steps."""
