@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .emoji import EMOJI_FONT, EMOJI_INSTALL, build_emoji
 from .roots import DataError, data_root
 from .speech import (
     ASTERISK_DIR,
@@ -266,6 +267,13 @@ BUNDLED: dict[str, Bundled] = {
         lambda out: build_asterisk_prompts(out),
         needs=("espeak-ng", "flite", str(ASTERISK_DIR / "vm-intro.wav"), str(ASTERISK_TRANSCRIPTS)),
         install="apt-get install espeak-ng flite asterisk-core-sounds-en-wav asterisk-core-sounds-en",
+    ),
+    "emoji": Bundled(
+        "emoji",
+        "~1,400 emoji images (64×64 RGB) captioned with their Unicode names (apt fonts-noto-color-emoji)",
+        lambda out: build_emoji(out),
+        needs=(str(EMOJI_FONT),),
+        install=EMOJI_INSTALL,
     ),
     "wordnet-supersenses": Bundled(
         "wordnet-supersenses",
