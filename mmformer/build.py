@@ -28,6 +28,7 @@ from .config import (
     DiffusionTaskConfig,
     DiTHeadConfig,
     DiTTokenizerConfig,
+    ImageCaptionDataConfig,
     ImageFolderDataConfig,
     LMHeadConfig,
     PretrainedBackboneConfig,
@@ -45,6 +46,7 @@ from .config import (
 from .data.audio import audio_classification_data
 from .data.datamodule import MultiTaskDataModule
 from .data.image import cifar10_data, image_folder_data
+from .data.image_caption import image_caption_data, read_captions
 from .data.roots import DataError, DataNotFoundError, resolve_root
 from .data.text import corpus_split, text_data
 from .data.text_classification import text_classification_data
@@ -133,7 +135,13 @@ def build_whisper_conv(cfg: WhisperConvConfig, d_model: int) -> WhisperConvToken
 @register("tokenizer", "dit", DiTTokenizerConfig)
 def build_dit_tokenizer(cfg: DiTTokenizerConfig, d_model: int) -> DiTTokenizer:
     return DiTTokenizer(
-        d_model, cfg.image_size, cfg.patch_size, cfg.in_chans, cfg.num_classes, cfg.class_dropout
+        d_model,
+        cfg.image_size,
+        cfg.patch_size,
+        cfg.in_chans,
+        cfg.num_classes,
+        cfg.class_dropout,
+        cfg.text_conditional,
     )
 
 
@@ -159,7 +167,17 @@ def build_diffusion(cfg: DiffusionTaskConfig, recipe: RecipeConfig) -> Diffusion
         raise RecipeError(
             f"model.backbone.d_cond={bb.d_cond}: the DiT tokenizer's conditioning has d_model width"
         )
-    if tok.num_classes and tok.class_dropout == 0 and cfg.sample_cfg_scale != 1:
+    if tok.text_conditional != (cfg.caption_tokenizer is not None):
+        raise RecipeError(
+            "a text-conditional DiT needs both the tokenizer's text_conditional: true and the task's "
+            "caption_tokenizer (a text tokenizer in model.tokenizers)"
+        )
+    if cfg.caption_tokenizer is not None:
+        if cfg.caption_tokenizer not in recipe.model.tokenizers:
+            raise RecipeError(f"caption_tokenizer {cfg.caption_tokenizer!r} is not in model.tokenizers")
+        if tokenizer_modality(recipe.model.tokenizers[cfg.caption_tokenizer]) != "text":
+            raise RecipeError(f"caption_tokenizer {cfg.caption_tokenizer!r} must be a text tokenizer (bpe)")
+    if (tok.num_classes or tok.text_conditional) and tok.class_dropout == 0 and cfg.sample_cfg_scale != 1:
         raise RecipeError(
             "classifier-free guidance (sample_cfg_scale != 1) needs the null class trained: set the "
             "tokenizer's class_dropout > 0 (e.g. 0.1) or tasks.<name>.sample_cfg_scale: 1"
@@ -201,6 +219,7 @@ def build_diffusion(cfg: DiffusionTaskConfig, recipe: RecipeConfig) -> Diffusion
         sample_cfg_scale=cfg.sample_cfg_scale,
         sample_steps=cfg.sample_steps,
         samples_per_class=cfg.samples_per_class,
+        caption_tokenizer=cfg.caption_tokenizer,
     )
 
 
@@ -377,6 +396,14 @@ def build_image_folder(cfg: ImageFolderDataConfig, task, recipe: RecipeConfig):
     return image_folder_data(cfg, recipe.model.tokenizers[task.tokenizer], _num_classes(task, recipe))
 
 
+@register("dataset", "image_caption", ImageCaptionDataConfig)
+def build_image_caption(cfg: ImageCaptionDataConfig, task, recipe: RecipeConfig):
+    name = getattr(task, "caption_tokenizer", None)
+    if name is None:
+        raise RecipeError("image_caption data is read by a task with a caption_tokenizer (kind: diffusion)")
+    return image_caption_data(cfg, recipe.model.tokenizers[task.tokenizer], text_tokenizer(recipe, name))
+
+
 @register("dataset", "cifar10", CIFAR10DataConfig)
 def build_cifar10(cfg: CIFAR10DataConfig, task, recipe: RecipeConfig):
     return cifar10_data(cfg, recipe.model.tokenizers[task.tokenizer], _num_classes(task, recipe))
@@ -421,13 +448,26 @@ def text_tokenizer(recipe: RecipeConfig, name: str) -> TextTokenizer:
             _TEXT_TOKENIZERS[key] = TextTokenizer.from_file(cfg.path)
         return _TEXT_TOKENIZERS[key]
     task = next((t for t in recipe.tasks.values() if t.tokenizer == name and t.data.kind == "text"), None)
-    if task is None:
+    captioned = next(
+        (
+            t
+            for t in recipe.tasks.values()
+            if getattr(t, "caption_tokenizer", None) == name and t.data.kind == "image_caption"
+        ),
+        None,
+    )
+    if task is None and captioned is None:
         raise RecipeError(
             f"'model.tokenizers.{name}' has no path and no text task to train it on: set its path "
             "to a tokenizer.json"
         )
-    root = resolve_root(task.data.root)
-    docs, train, _ = corpus_split(root, task.data.val_fraction, recipe.seed)
+    if task is not None:
+        root = resolve_root(task.data.root)
+        docs, train, _ = corpus_split(root, task.data.val_fraction, recipe.seed)
+    else:  # the training captions of an image–caption task
+        root = resolve_root(captioned.data.root)
+        docs = [c for _, c in read_captions(root / f"{captioned.data.train_split}.jsonl")]
+        train = range(len(docs))
     digest = hashlib.sha256()
     for i in train:  # the exact training documents decide the tokenizer
         digest.update(docs[i].encode("utf-8") + b"\0")

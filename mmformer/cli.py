@@ -320,7 +320,11 @@ def cmd_sample(args) -> int:
     task = loaded.module.tasks[name]
     k = loaded.model.tokenizers[task.tokenizer].num_classes
     if args.class_ is not None and not k:
-        raise UsageError(f"{args.checkpoint} is unconditional; drop --class")
+        raise UsageError(f"{args.checkpoint} is not class-conditional; drop --class")
+    if args.prompt and task.caption_tokenizer is None:
+        raise UsageError(f"{args.checkpoint} is not text-conditional; drop --prompt")
+    if task.caption_tokenizer is not None and not args.prompt:
+        raise UsageError(f"{args.checkpoint} is text-conditional: give --prompt TEXT (repeat for more rows)")
     if args.class_ is not None and not 0 <= args.class_ < k:
         raise UsageError(f"--class {args.class_} is outside the model's classes 0…{k - 1}")
     if args.classifier is not None:
@@ -342,7 +346,16 @@ def cmd_sample(args) -> int:
                 f"({int(scores['samples'])} samples vs {len(real)} real)"
             )
     if args.out is not None:
-        if args.class_ is not None:
+        captions = None
+        if args.prompt:  # one row of --n samples per prompt
+            from .data.image_caption import encode_captions
+            from .tokenizers.text import TextTokenizer
+
+            text = TextTokenizer.from_json(loaded.module.tokenizer_files[task.caption_tokenizer])
+            ids = [s for s in encode_captions(text, list(args.prompt), 64) for _ in range(args.n)]
+            captions = text.pad_batch(ids)
+            labels = None
+        elif args.class_ is not None:
             labels = torch.full((args.n,), args.class_, dtype=torch.long)
         elif k:  # one row of --n samples per class
             labels = torch.arange(k).repeat_interleave(args.n)
@@ -353,14 +366,15 @@ def cmd_sample(args) -> int:
                 loaded.model,
                 labels,
                 n=args.n,
-                cfg_scale=args.cfg_scale if labels is not None else 1.0,
+                cfg_scale=args.cfg_scale if labels is not None or captions is not None else 1.0,
                 steps=args.steps,
                 sampler=args.sampler,
                 generator=torch.Generator().manual_seed(args.seed),
+                captions=captions,
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
-        nrow = args.n if k and args.class_ is None else 8
+        nrow = args.n if (k and args.class_ is None) or args.prompt else 8
         args.out.parent.mkdir(parents=True, exist_ok=True)
         save_image(make_grid((images + 1) / 2, nrow=nrow, padding=1), args.out)
         print(f"wrote {len(images)} samples to {args.out}")
@@ -481,6 +495,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("checkpoint", type=Path)
     sp.add_argument("--class", dest="class_", type=int, default=None, help="class id (default: every class)")
+    sp.add_argument(
+        "--prompt", action="append", default=None, help="caption for a text-conditional model (repeatable)"
+    )
     sp.add_argument(
         "--n",
         type=_positive_int,

@@ -351,7 +351,8 @@ class DiTTokenizerConfig:
     patch_size: int = 4
     in_chans: int = 1
     num_classes: Optional[int] = None  # class-conditional (with a null class); None = unconditional
-    class_dropout: float = 0.1  # classifier-free guidance: P(label → null class) in training
+    text_conditional: bool = False  # conditioned on a pooled caption (the task's caption_tokenizer)
+    class_dropout: float = 0.1  # classifier-free guidance: P(label / caption → null) in training
 
     def __post_init__(self) -> None:
         _positive(self, "image_size", "patch_size", "in_chans", "num_classes")
@@ -383,6 +384,7 @@ class DiffusionTaskConfig:
     tokenizer: str = MISSING  # a model.tokenizers entry of kind dit
     head: str = MISSING  # a model.heads entry of kind dit
     data: dict[str, Any] = field(default_factory=dict)
+    caption_tokenizer: Optional[str] = None  # text-conditional: the text tokenizer that reads captions
     objective: str = "gaussian"  # gaussian | flow
     num_timesteps: int = 1000
     beta_schedule: str = "linear"  # linear | cosine
@@ -531,6 +533,27 @@ class TextClassificationDataConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_len", "batch_size", "val_batch_size", "limit_train")
+
+
+@dataclass
+class ImageCaptionDataConfig:
+    """``tasks.<name>.data`` of kind ``image_caption``: ``root/<split>.jsonl`` of ``{"image": path,
+    "caption": text}`` (paths relative to ``root``); ``root`` is a path or a bundled name (``emoji``).
+    The captions are read with the task's ``caption_tokenizer``."""
+
+    kind: str = "image_caption"
+    root: str = MISSING
+    train_split: str = "train"
+    val_split: str = "val"
+    max_len: int = 32  # caption tokens, BOS/EOS included; longer captions are cut
+    batch_size: int = 64
+    val_batch_size: Optional[int] = None
+    num_workers: int = 0
+    drop_last: bool = True
+    cache: bool = True  # keep decoded images in memory
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_len", "batch_size", "val_batch_size")
 
 
 # --------------------------------------------------------------------------- top-level sections
@@ -814,6 +837,8 @@ def _check_references(recipe: RecipeConfig) -> None:
 
     for attr, table in (("tokenizer", recipe.model.tokenizers), ("head", recipe.model.heads)):
         used = {getattr(t, attr, None) for t in recipe.tasks.values()}
+        if attr == "tokenizer":  # a diffusion task's captions read a second tokenizer
+            used |= {getattr(t, "caption_tokenizer", None) for t in recipe.tasks.values()}
         for name in table:
             if name not in used:  # an unused part would be trained by nobody (and breaks DDP)
                 raise RecipeError(

@@ -2,8 +2,9 @@
 ``DiTFinalLayer``), under either Gaussian diffusion (DDPM, ε- or v-prediction, optional learned
 variance and min-SNR weighting) or rectified flow; the process lives in ``mmformer.models.diffusion``.
 
-Batch keys: ``image`` ``(B, C, H, W)`` uint8 (scaled here to [-1, 1]) or float already in [-1, 1], and
-``label`` ``(B,)`` long for class-conditional models. Validation reports the same loss on noise and
+Batch keys: ``image`` ``(B, C, H, W)`` uint8 (scaled here to [-1, 1]) or float already in [-1, 1];
+``label`` ``(B,)`` long for class-conditional models; ``caption`` ``(B, L)`` long and ``caption_valid``
+``(B, L)`` bool for text-conditional ones. Validation reports the same loss on noise and
 timesteps drawn from a fixed seed, so epochs compare like with like.
 """
 
@@ -39,6 +40,8 @@ class DiffusionTask(nn.Module):
     input_key: the batch key of the images.
     val_seed: seed of the validation noise and timesteps.
     sample_cfg_scale, sample_steps, samples_per_class: the sample grid logged after each validation.
+    caption_tokenizer: the text tokenizer entry whose embeddings, mean-pooled over a caption's tokens,
+        condition a text-conditional DiT (batches then carry ``caption`` and ``caption_valid``).
 
     Rectified-flow times t ∈ [0, 1] reach the timestep embedding as ``t · FLOW_TIME_SCALE`` (1000), so
     they spread over the same sinusoid frequencies as the 1,000 integer DDPM steps.
@@ -57,6 +60,7 @@ class DiffusionTask(nn.Module):
         sample_cfg_scale: float = 4.0,
         sample_steps: int = 50,
         samples_per_class: int = 8,
+        caption_tokenizer: str | None = None,
     ):
         super().__init__()
         self.tokenizer, self.head, self.input_key = tokenizer, head, input_key
@@ -64,6 +68,7 @@ class DiffusionTask(nn.Module):
         # the grid DiffusionSamples draws after each validation
         self.sample_cfg_scale, self.sample_steps = sample_cfg_scale, sample_steps
         self.samples_per_class = samples_per_class
+        self.caption_tokenizer = caption_tokenizer
         self.val_metrics = nn.ModuleDict({"loss": MeanMetric()})
         self._val_generator: torch.Generator | None = None
 
@@ -81,36 +86,57 @@ class DiffusionTask(nn.Module):
         x_t: Tensor,
         t: Tensor,
         labels: Tensor | None = None,
+        text: Tensor | None = None,
         force_drop: Tensor | None = None,
     ) -> Tensor:
-        """The network's prediction ``(B, C_out, H, W)`` for noisy images ``x_t`` at timesteps ``t``."""
+        """The network's prediction ``(B, C_out, H, W)`` for noisy images ``x_t`` at timesteps ``t``,
+        given class ``labels (B,)`` and/or pooled captions ``text (B, D)``; ``force_drop (B,)`` bool
+        replaces them with the null condition."""
         if self.kind == "flow":
             t = t * FLOW_TIME_SCALE
-        return model(x_t, self.tokenizer, self.head, t=t, labels=labels, force_drop=force_drop).float()
+        kwargs = {"labels": labels, "force_drop": force_drop}
+        if text is not None:
+            kwargs["text"] = text
+        return model(x_t, self.tokenizer, self.head, t=t, **kwargs).float()
 
-    def _labels(self, model: MultimodalModel, batch: dict) -> Tensor | None:
-        if not model.tokenizers[self.tokenizer].num_classes:
-            return None
-        if "label" not in batch:
-            raise ValueError(
-                "a class-conditional diffusion model needs 'label' in its batches (an image folder)"
-            )
-        return batch["label"]
+    def pooled_caption(self, model: MultimodalModel, ids: Tensor, valid: Tensor) -> Tensor:
+        """Captions ``ids (B, L)`` with ``valid (B, L)`` → the mean of their real tokens' embeddings from
+        the caption tokenizer, ``(B, D)``."""
+        x = model.tokenizers[self.caption_tokenizer](ids, valid=valid).x
+        w = valid.unsqueeze(-1).to(x.dtype)
+        return (x * w).sum(1) / w.sum(1).clamp_min(1.0)
 
-    def _loss(self, model: MultimodalModel, x0: Tensor, labels: Tensor | None, generator) -> Tensor:
+    def _condition(self, model: MultimodalModel, batch: dict) -> dict:
+        tok = model.tokenizers[self.tokenizer]
+        cond = {}
+        if tok.num_classes:
+            if "label" not in batch:
+                raise ValueError(
+                    "a class-conditional diffusion model needs 'label' in its batches (an image folder)"
+                )
+            cond["labels"] = batch["label"]
+        if self.caption_tokenizer is not None:
+            if "caption" not in batch:
+                raise ValueError(
+                    "a text-conditional diffusion model needs 'caption' in its batches (image_caption data)"
+                )
+            cond["text"] = self.pooled_caption(model, batch["caption"], batch["caption_valid"])
+        return cond
+
+    def _loss(self, model: MultimodalModel, x0: Tensor, cond: dict, generator) -> Tensor:
         noise = torch.randn(x0.shape, generator=generator, device=x0.device)
         B = x0.shape[0]
         if self.kind == "flow":
             t = self.process.sample_t(B, generator=generator, device=x0.device)
-            out = self.denoise(model, self.process.interpolate(x0, noise, t), t, labels)
+            out = self.denoise(model, self.process.interpolate(x0, noise, t), t, **cond)
             return self.process.loss(out, x0, noise)
         t = torch.randint(0, self.process.num_timesteps, (B,), generator=generator, device=x0.device)
-        out = self.denoise(model, self.process.q_sample(x0, t, noise), t, labels)
+        out = self.denoise(model, self.process.q_sample(x0, t, noise), t, **cond)
         return self.process.loss(out, x0, noise, t, self.min_snr_gamma)
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
         x0 = to_unit_range(batch[self.input_key])
-        return self._loss(model, x0, self._labels(model, batch), None).mean()
+        return self._loss(model, x0, self._condition(model, batch), None).mean()
 
     def on_validation_epoch_start(self) -> None:
         self._val_generator = None  # every validation pass draws the same noise
@@ -120,7 +146,7 @@ class DiffusionTask(nn.Module):
         if self._val_generator is None or self._val_generator.device != x0.device:
             self._val_generator = torch.Generator(x0.device).manual_seed(self.val_seed)
         self.val_metrics["loss"].update(
-            self._loss(model, x0, self._labels(model, batch), self._val_generator)
+            self._loss(model, x0, self._condition(model, batch), self._val_generator)
         )
 
     # ------------------------------------------------------------------ sampling
@@ -128,20 +154,22 @@ class DiffusionTask(nn.Module):
     def sample(
         self,
         model: MultimodalModel,
-        labels: Tensor | None,
+        labels: Tensor | None = None,
         n: int | None = None,
         cfg_scale: float = 1.0,
         steps: int = 50,
         sampler: str | None = None,
         eta: float = 0.0,
         generator: torch.Generator | None = None,
+        captions: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """Images ``(B, C, H, W)`` float, clamped to [-1, 1]: ``B = len(labels)`` (class-conditional) or ``n``.
+        """Images ``(B, C, H, W)`` float, clamped to [-1, 1]: one per label (class-conditional), per
+        caption (``captions = (ids (B, L), valid (B, L))``, text-conditional), or ``n`` unconditional.
 
         ``sampler``: ``ddim`` (default) or ``ddpm`` (all T steps) for Gaussian diffusion, ``euler``
-        (default) or ``heun`` for rectified flow. ``cfg_scale`` > 1 applies classifier-free guidance
-        (class-conditional models only). Raises ``ValueError`` for an unknown sampler or guidance
-        without a condition."""
+        (default) or ``heun`` for rectified flow. ``cfg_scale`` != 1 applies classifier-free guidance
+        against the null class / null caption. Raises ``ValueError`` for an unknown sampler, a missing
+        condition, or guidance without one."""
         tok = model.tokenizers[self.tokenizer]
         device = next(model.parameters()).device
         sampler = sampler or SAMPLERS[self.kind][0]
@@ -149,22 +177,35 @@ class DiffusionTask(nn.Module):
             raise ValueError(
                 f"sampler {sampler!r} does not fit {self.kind} diffusion; choose {SAMPLERS[self.kind]}"
             )
+        cond: dict[str, Tensor] = {}
         if labels is not None:
-            labels = labels.to(device)
-        B = len(labels) if labels is not None else n
-        if B is None:
-            raise ValueError("give class labels or the number of samples n")
-        if cfg_scale != 1 and (labels is None or not tok.num_classes):
-            raise ValueError(
-                "classifier-free guidance (cfg_scale != 1) needs a class-conditional model and labels"
-            )
-        shape = (B, tok.in_chans, tok.image_size, tok.image_size)
+            cond["labels"] = labels.to(device)
         was_training = model.training
         model.eval()
         try:
-            if labels is not None:
-                null = torch.full_like(labels, tok.num_classes)
-                fn = guided(lambda x, t, y: self.denoise(model, x, t, y), labels, null, cfg_scale)
+            if captions is not None:
+                if self.caption_tokenizer is None:
+                    raise ValueError("this diffusion model is not text-conditional; drop the prompt")
+                cond["text"] = self.pooled_caption(model, captions[0].to(device), captions[1].to(device))
+            elif self.caption_tokenizer is not None:
+                raise ValueError("this diffusion model is text-conditional: give a prompt")
+            if tok.num_classes and labels is None:
+                raise ValueError("this diffusion model is class-conditional: give class labels")
+            B = len(next(iter(cond.values()))) if cond else n
+            if B is None:
+                raise ValueError("give the number of samples n")
+            if cfg_scale != 1 and not cond:
+                raise ValueError("classifier-free guidance (cfg_scale != 1) needs a conditional model")
+            shape = (B, tok.in_chans, tok.image_size, tok.image_size)
+            if cond:
+                # guidance pairs each sample with its null-condition twin: index i, or -1 for "dropped"
+                index = torch.arange(B, device=device)
+
+                def with_cond(x: Tensor, t: Tensor, i: Tensor) -> Tensor:
+                    picked = {k: v[i.clamp_min(0)] for k, v in cond.items()}
+                    return self.denoise(model, x, t, force_drop=i < 0, **picked)
+
+                fn = guided(with_cond, index, torch.full_like(index, -1), cfg_scale)
             else:
                 fn = lambda x, t: self.denoise(model, x, t)  # noqa: E731
             if self.kind == "flow":

@@ -113,6 +113,33 @@ class LabelEmbedder(nn.Module):
         return self.embedding_table(self.drop(labels, force_drop))
 
 
+class TextConditionEmbedder(nn.Module):
+    """A pooled caption ``(B, D)`` (the text tokenizer's embeddings, mean over real tokens) → the
+    conditioning vector through Linear → SiLU → Linear; a learned ``null`` vector stands for "no
+    caption" (classifier-free guidance), chosen in training with probability ``dropout`` and wherever
+    ``force_drop`` is True (GLIDE, Nichol et al. 2022, §2.4: guidance with an empty caption).
+
+    ``forward(pooled (B, D), force_drop (B,) bool | None) → (B, D)``."""
+
+    def __init__(self, d_model: int, dropout: float = 0.1):
+        super().__init__()
+        self.dropout = dropout
+        self.mlp = nn.Sequential(nn.Linear(d_model, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+        self.null = nn.Parameter(torch.zeros(d_model))
+        for layer in (self.mlp[0], self.mlp[2]):
+            nn.init.normal_(layer.weight, std=0.02)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, pooled: Tensor, force_drop: Tensor | None = None) -> Tensor:
+        drop = torch.zeros(pooled.shape[0], dtype=torch.bool, device=pooled.device)
+        if self.training and self.dropout > 0:
+            drop = torch.rand(pooled.shape[0], device=pooled.device) < self.dropout
+        if force_drop is not None:
+            drop = drop | force_drop
+        out = self.mlp(pooled.to(self.null.dtype))
+        return torch.where(drop[:, None], self.null.expand_as(out), out)
+
+
 class DiTTokenizer(nn.Module):
     """Noisy image, timestep and class → ``(Tokens, cond)``.
 
@@ -121,11 +148,13 @@ class DiTTokenizer(nn.Module):
         image_size, patch_size, in_chans: the image ``(C, H, W)`` with ``H = W = image_size``, cut into
             ``patch_size`` patches.
         num_classes: class-conditional with a null class for guidance; ``None`` = unconditional.
-        class_dropout: the probability a training label becomes the null class.
+        class_dropout: the probability a training label (or caption) becomes the null one.
+        text_conditional: condition on a pooled caption ``text (B, D)`` (``TextConditionEmbedder``).
 
-    ``forward(x_t (B, C, H, W) float, t (B,), labels (B,) long | None, force_drop (B,) bool | None)
-    → (Tokens, cond (B, D))``: ``x`` is the patch embedding plus fixed 2-D sin-cos positions,
-    ``positions (B, N, 2)`` are (row, column); ``cond`` = timestep embedding + label embedding.
+    ``forward(x_t (B, C, H, W) float, t (B,), labels (B,) long | None, force_drop (B,) bool | None,
+    text (B, D) | None) → (Tokens, cond (B, D))``: ``x`` is the patch embedding plus fixed 2-D sin-cos
+    positions, ``positions (B, N, 2)`` are (row, column); ``cond`` = timestep embedding + label
+    embedding + caption embedding (those the model has).
     Raises ``ValueError`` on a wrong image shape or a missing/unexpected label.
     """
 
@@ -140,6 +169,7 @@ class DiTTokenizer(nn.Module):
         in_chans: int,
         num_classes: int | None = None,
         class_dropout: float = 0.1,
+        text_conditional: bool = False,
     ):
         super().__init__()
         self.image_size, self.patch_size, self.in_chans = image_size, patch_size, in_chans
@@ -149,6 +179,7 @@ class DiTTokenizer(nn.Module):
         )
         self.t_embedder = TimestepEmbedder(d_model)
         self.y_embedder = LabelEmbedder(num_classes, d_model, class_dropout) if num_classes else None
+        self.text_embedder = TextConditionEmbedder(d_model, class_dropout) if text_conditional else None
         # DiT: patch embedding initialised like a linear layer (xavier on the flattened kernel)
         w = self.x_embedder.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
@@ -171,6 +202,7 @@ class DiTTokenizer(nn.Module):
         t: Tensor | None = None,
         labels: Tensor | None = None,
         force_drop: Tensor | None = None,
+        text: Tensor | None = None,
     ) -> tuple[Tokens, Tensor]:
         expected = (self.in_chans, self.image_size, self.image_size)
         if x_t.ndim != 4 or tuple(x_t.shape[1:]) != expected:
@@ -189,6 +221,15 @@ class DiTTokenizer(nn.Module):
             cond = cond + self.y_embedder(labels, force_drop)
         elif labels is not None:
             raise ValueError("this diffusion tokenizer is unconditional (num_classes is None) but got labels")
+        if self.text_embedder is not None:
+            if text is None:  # no caption: the null caption
+                text = x.new_zeros(B, x.shape[-1])
+                force_drop = torch.ones(B, dtype=torch.bool, device=x.device)
+            cond = cond + self.text_embedder(text, force_drop)
+        elif text is not None:
+            raise ValueError(
+                "this diffusion tokenizer is not text-conditional (text_conditional: false) but got text"
+            )
         Gh, Gw = self.grid_size
         rows, cols = torch.meshgrid(
             torch.arange(Gh, device=x.device), torch.arange(Gw, device=x.device), indexing="ij"

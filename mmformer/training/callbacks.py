@@ -264,10 +264,10 @@ class EMAWeights(WeightAveraging):
 
 class DiffusionSamples(L.Callback):
     """After each validation, every diffusion task samples a grid from fixed noise — one row per class
-    (the task's ``samples_per_class`` each, guided with its ``sample_cfg_scale``) for class-conditional
-    models, ``n`` samples otherwise — with the
-    validation weights (the EMA weights when ``optim.ema_decay`` is set), saves it as
-    ``<run>/samples/<task>-step<N>.png`` and logs it to W&B as ``samples/<task>``."""
+    (class-conditional) or per validation caption (the first 8; text-conditional), the task's
+    ``samples_per_class`` each, guided with its ``sample_cfg_scale``; ``n`` samples when unconditional —
+    with the validation weights (the EMA weights when ``optim.ema_decay`` is set), saves it as
+    ``<run>/samples/<task>-step<N>.png`` and logs it to W&B as ``samples/<task>`` (captions attached)."""
 
     def __init__(self, n: int = 64, seed: int = 0):
         self.n, self.seed = n, seed
@@ -288,25 +288,42 @@ class DiffusionSamples(L.Callback):
             if not isinstance(task, DiffusionTask):
                 continue
             k = pl_module.model.tokenizers[task.tokenizer].num_classes
+            per_class = task.samples_per_class
+            labels, captions, shown = None, None, []
+            if task.caption_tokenizer is not None:  # the first validation captions, one row each
+                val = trainer.datamodule.data[name].val
+                items = [val[i] for i in range(min(8, len(val)))]
+                shown = [it["caption"] for it in items]
+                ids = [it["ids"] for it in items for _ in range(per_class)]
+                n = max(map(len, ids))
+                captions = (
+                    torch.tensor([s + [0] * (n - len(s)) for s in ids]),
+                    torch.tensor([[True] * len(s) + [False] * (n - len(s)) for s in ids]),
+                )
+            elif k:
+                labels = torch.arange(k).repeat_interleave(per_class)
             ema = next((c for c in trainer.callbacks if isinstance(c, EMAWeights)), None)
             # Lightning swaps the raw weights back before on_validation_end: sample from the average
             model = ema.average.model if ema is not None and ema.average is not None else pl_module.model
-            per_class = task.samples_per_class
-            labels = torch.arange(k).repeat_interleave(per_class) if k else None
             generator = torch.Generator(pl_module.device).manual_seed(self.seed)
+            conditional = labels is not None or captions is not None
             images = task.sample(
                 model,
                 labels,
                 n=self.n,
-                cfg_scale=task.sample_cfg_scale if k else 1.0,
+                cfg_scale=task.sample_cfg_scale if conditional else 1.0,
                 steps=task.sample_steps,
                 generator=generator,
+                captions=captions,
             )
-            grid = make_grid((images.float().cpu() + 1) / 2, nrow=per_class if k else 8, padding=1)
+            grid = make_grid((images.float().cpu() + 1) / 2, nrow=per_class if conditional else 8, padding=1)
             out = Path(trainer.default_root_dir) / "samples" / f"{name}-step{trainer.global_step:06d}.png"
             out.parent.mkdir(parents=True, exist_ok=True)
             save_image(grid, out)
             self.last[name] = str(out)
             for lg in trainer.loggers:
                 if isinstance(lg, WandbLogger):
-                    lg.log_image(key=f"samples/{name}", images=[grid], step=trainer.global_step)
+                    caption = [" | ".join(shown)] if shown else None
+                    lg.log_image(
+                        key=f"samples/{name}", images=[grid], step=trainer.global_step, caption=caption
+                    )

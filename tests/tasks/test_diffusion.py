@@ -137,3 +137,79 @@ def test_ema_warms_up_and_skips_integer_tensors():
     assert avg[1].item() == 7
     ema._update(avg, cur, torch.tensor(10_000))  # later: the configured decay
     torch.testing.assert_close(avg[0], torch.full((3,), 0.9 + 0.1 * 0.001))
+
+
+TEXT_RECIPE = """\
+name: tinytext
+model:
+  tokenizers:
+    image: {{kind: dit, image_size: 16, patch_size: 4, in_chans: 3, text_conditional: true}}
+    caption: {{kind: bpe, vocab_size: 300}}
+  backbone: {{d_model: 32, n_layers: 2, n_heads: 2, block: adaln, final_norm: false}}
+  heads: {{eps: {{kind: dit}}}}
+tasks:
+  toy:
+    kind: diffusion
+    tokenizer: image
+    caption_tokenizer: caption
+    head: eps
+    sample_steps: 2
+    samples_per_class: 2
+    data: {{kind: image_caption, root: {root}, batch_size: 4, num_workers: 0}}
+optim: {{lr: 1e-3, warmup_steps: 1, ema_decay: 0.9}}
+trainer: {{max_steps: 3, accelerator: cpu, devices: 1, log_every_n_steps: 1, enable_progress_bar: false,
+          num_sanity_val_steps: 0}}
+logger: {{mode: disabled}}
+"""
+
+
+def make_captioned(root):
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words = ["red", "green", "blue", "circle", "square", "small", "large"]
+    (root / "img").mkdir(parents=True)
+    for split, n in (("train", 12), ("val", 4)):
+        rows = []
+        for i in range(n):
+            path = f"img/{split}{i}.png"
+            Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(root / path)
+            rows.append(json.dumps({"image": path, "caption": " ".join(rng.choice(words, 3))}))
+        (root / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def test_text_conditional_trains_on_captions_and_samples_from_prompts(workdir, capsys):
+    root = make_captioned(workdir / "caps")
+    recipe = workdir / "text.yaml"
+    recipe.write_text(TEXT_RECIPE.format(root=root))
+    assert main(["train", str(recipe)]) == 0
+    run = next((workdir / "runs" / "tinytext").glob("*"))
+    grid = sorted((run / "samples").glob("toy-step*.png"))[-1]
+    assert Image.open(grid).size == (2 * 17 + 1, 4 * 17 + 1)  # 2 per caption, the 4 val captions
+    ckpt = str(run / "checkpoints" / "last.ckpt")
+    out = workdir / "p.png"
+    capsys.readouterr()
+    args = ["sample", ckpt, "--prompt", "red circle", "--prompt", "blue square", "--n", "3", "--steps", "2"]
+    assert main([*args, "--cfg-scale", "3", "--out", str(out)]) == 0
+    assert Image.open(out).size == (3 * 17 + 1, 2 * 17 + 1)
+    assert main(["sample", ckpt, "--out", str(out)]) == 2
+    assert "give --prompt" in capsys.readouterr().err
+
+
+def test_caption_conditioning_differs_by_caption_and_null_is_learned():
+    from mmformer.tokenizers.diffusion import TextConditionEmbedder
+
+    emb = TextConditionEmbedder(8, dropout=0.0).eval()
+    torch.nn.init.normal_(emb.null)
+    pooled = torch.randn(3, 8)
+    out = emb(pooled)
+    assert not torch.allclose(out[0], out[1])
+    dropped = emb(pooled, torch.tensor([True, False, True]))
+    assert torch.equal(dropped[0], emb.null) and torch.equal(dropped[2], emb.null)
+    assert torch.equal(dropped[1], out[1])
+    emb.dropout = 0.25
+    rate = (emb.train()(torch.randn(40_000, 8)) == emb.null).all(-1).float().mean().item()
+    assert abs(rate - 0.25) < 0.01
