@@ -170,11 +170,24 @@ def test_checkpoint_monitor_typo_is_caught_before_training():
     assert default_monitor(load_recipe(QUICKSTART), build_module(r)) == ("val/mnist/acc", "max")
 
 
-def test_whisper_conv_tokenizer_is_an_audio_kind_with_thirty_seconds_of_positions():
+WHISPER_CONV_RECIPE = """\
+name: conv
+model:
+  tokenizers: {audio: {kind: whisper_conv, n_mels: 80, max_seconds: 5.0, freq_mask: 12, time_mask: 40}}
+  backbone: {d_model: 384, n_layers: 1, n_heads: 6}
+  heads: {app: {kind: classifier, num_classes: 9, pool: mean, fc_norm: true}}
+tasks:
+  prompts: {kind: classification, tokenizer: audio, head: app, data: {kind: audio_manifest, root: asterisk-prompts}}
+trainer: {max_epochs: 1}
+"""
+
+
+def test_whisper_conv_tokenizer_is_an_audio_kind_with_thirty_seconds_of_positions(tmp_path):
     from mmformer.build import build_model, tokenizer_modality
 
-    path = Path(__file__).parents[1] / "recipes/audio/whisper_conv_classify_asterisk_prompts.yaml"
-    r = load_recipe(path, ["model.backbone.n_layers=1"])
+    path = tmp_path / "conv.yaml"
+    path.write_text(WHISPER_CONV_RECIPE)
+    r = load_recipe(path)
     assert tokenizer_modality(r.model.tokenizers["audio"]) == "audio"
     assert r.model.tokenizers["audio"].sample_rate == 16_000
     tok = build_model(r).tokenizers["audio"]
