@@ -661,3 +661,11 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         ],
         plugins=[AtomicCheckpointIO()],
     )
+
+
+def pin_checkpoint(ckpt: dict | None) -> None:
+    """Build from what a checkpoint carries — its text tokenizers and its pretrained architectures —
+    until called again with ``None``."""
+    state = (ckpt or {}).get("mmformer", {})
+    pin_text_tokenizers({n: TextTokenizer.from_json(j) for n, j in state.get("tokenizers", {}).items()})
+    pin_pretrained(state.get("pretrained", {}))

@@ -53,7 +53,7 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     import lightning as L
     import torch
 
-    from .build import build_datamodule, build_module, build_trainer
+    from .build import build_datamodule, build_module, build_trainer, pin_checkpoint
     from .config import recipe_to_yaml
     from .training.callbacks import LastValidationStep
     from .training.loggers import finish_loggers
@@ -68,7 +68,7 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
         else torch.load(run.resume_from, map_location="cpu", weights_only=True, mmap=True)
     )
     try:
-        _pin_checkpoint_tokenizers(resumed)  # a resumed run reads data with the checkpoint's own tokenizers
+        pin_checkpoint(resumed)  # a resumed run reads data with the checkpoint's own tokenizers
         datamodule = build_datamodule(recipe)  # fails here, before anything long, on bad data paths
         module = build_module(recipe)
         if verbose:
@@ -88,7 +88,7 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
         if not trainer.interrupted and tracker.step != trainer.global_step:  # final weights not validated yet
             trainer.validate(module, datamodule=datamodule, verbose=False)
     finally:
-        _pin_checkpoint_tokenizers(None)
+        pin_checkpoint(None)
         if trainer is not None:
             finish_loggers(trainer.loggers)
         os.environ.pop(RUN_ID_ENV, None)
@@ -182,7 +182,7 @@ def cmd_validate(args) -> int:
     import lightning as L
     import torch
 
-    from .build import build_datamodule, build_module
+    from .build import build_datamodule, build_module, pin_checkpoint
     from .config import RecipeError, recipe_from_yaml
 
     if not args.checkpoint.is_file():
@@ -191,12 +191,12 @@ def cmd_validate(args) -> int:
     if "recipe_yaml" not in ckpt.get("mmformer", {}):
         raise RecipeError(f"{args.checkpoint} is not an mmformer training checkpoint (it carries no recipe)")
     recipe = recipe_from_yaml(ckpt["mmformer"]["recipe_yaml"], args.overrides)
-    _pin_checkpoint_tokenizers(ckpt)  # read the data with the tokenizer the weights were trained with
+    pin_checkpoint(ckpt)  # read the data with the tokenizer the weights were trained with
     try:
         module = build_module(recipe)
         datamodule = build_datamodule(recipe)
     finally:
-        _pin_checkpoint_tokenizers(None)
+        pin_checkpoint(None)
     module.load_state_dict(ckpt["state_dict"])
     t = recipe.trainer
     trainer = L.Trainer(
@@ -222,22 +222,12 @@ class UsageError(Exception):
     """Bad command-line input; printed as one ``mmformer: error:`` line."""
 
 
-def _pin_checkpoint_tokenizers(ckpt: dict | None) -> None:
-    """Build from what the checkpoint carries: its text tokenizers and its pretrained architectures."""
-    from .build import pin_pretrained, pin_text_tokenizers
-    from .tokenizers.text import TextTokenizer
-
-    state = (ckpt or {}).get("mmformer", {})
-    pin_text_tokenizers({n: TextTokenizer.from_json(j) for n, j in state.get("tokenizers", {}).items()})
-    pin_pretrained(state.get("pretrained", {}))
-
-
 def _generation_model(source: Path):
     """``(model, text tokenizer, tokenizer name, head name)`` from an mmformer checkpoint (its recipe and
     BPE travel inside) or from pretrained weights (a known name, a .gguf file, an HF Llama directory)."""
     import torch
 
-    from .build import build_model
+    from .build import build_model, pin_checkpoint
     from .config import RecipeError, recipe_from_yaml
     from .tokenizers.text import TextTokenizer
 
@@ -257,11 +247,11 @@ def _generation_model(source: Path):
     task = next((t for t in recipe.tasks.values() if t.kind == "causal_lm"), None)
     if task is None or task.tokenizer not in text:
         raise RecipeError(f"{source} has no causal language-model task to generate with")
-    _pin_checkpoint_tokenizers(ckpt)
+    pin_checkpoint(ckpt)
     try:
         model = build_model(recipe, text)
     finally:
-        _pin_checkpoint_tokenizers(None)
+        pin_checkpoint(None)
     model.load_state_dict(
         {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     )

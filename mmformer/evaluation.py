@@ -33,8 +33,7 @@ class Loaded:
 def load_checkpoint(path: Path, task_kind: str) -> tuple[Loaded, str]:
     """``(loaded, task name)`` for the first task of kind ``task_kind`` in an mmformer checkpoint (the
     weights it holds: EMA weights when the run kept them). Raises ``FileNotFoundError``/``RecipeError``."""
-    from .build import build_module
-    from .cli import _pin_checkpoint_tokenizers
+    from .build import build_module, pin_checkpoint
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
@@ -47,11 +46,11 @@ def load_checkpoint(path: Path, task_kind: str) -> tuple[Loaded, str]:
     if name is None:
         kinds = sorted({t.kind for t in recipe.tasks.values()})
         raise RecipeError(f"{path} has no {task_kind} task (its tasks are {', '.join(kinds)})")
-    _pin_checkpoint_tokenizers(ckpt)
+    pin_checkpoint(ckpt)
     try:
         module = build_module(recipe)
     finally:
-        _pin_checkpoint_tokenizers(None)
+        pin_checkpoint(None)
     module.load_state_dict(ckpt["state_dict"])
     return Loaded(module.eval(), recipe), name
 
