@@ -10,7 +10,6 @@ with its path, replaced by the next readable one and counted (``bad_samples``), 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..tokenizers.audio import AudioDecodeError, AudioPreprocess
+from .jsonl import read_jsonl
 from .roots import DataError
 
 log = logging.getLogger("mmformer.data")
@@ -99,23 +99,13 @@ def manifest_rows(path: Path, label_key: str = "label") -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"audio manifest {str(path)!r} does not exist")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            audio, label = row["audio"], row[label_key]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DataError(
-                f"{path}:{n}: expected a JSON object with 'audio' and {label_key!r} ({e})"
-            ) from None
+    for n, row in read_jsonl(path, ("audio", label_key)):
+        audio = row["audio"]
         if not isinstance(audio, str):
             raise DataError(f"{path}:{n}: 'audio' must be a file path, got {audio!r}")
         row["audio"] = str(Path(audio) if Path(audio).is_absolute() else path.parent / audio)
-        row["label"] = str(label)
+        row["label"] = str(row[label_key])
         rows.append(row)
-    if not rows:
-        raise DataError(f"{path} has no clips")
     return rows
 
 

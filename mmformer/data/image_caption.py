@@ -9,13 +9,14 @@ cached).
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .collate import pad_ids
+from .jsonl import read_jsonl
 from .roots import DataError
 
 
@@ -24,17 +25,9 @@ def read_captions(path: Path) -> list[tuple[str, str]]:
     if not path.is_file():
         raise DataError(f'{path} is missing (one {{"image": …, "caption": …}} per line)')
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            image, caption = row["image"], row["caption"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DataError(f"{path}:{n}: expected a JSON object with 'image' and 'caption' ({e})") from None
-        rows.append((str(Path(image) if Path(image).is_absolute() else path.parent / image), str(caption)))
-    if not rows:
-        raise DataError(f"{path} has no rows")
+    for _, row in read_jsonl(path, ("image", "caption")):
+        image = Path(row["image"])
+        rows.append((str(image if image.is_absolute() else path.parent / image), str(row["caption"])))
     return rows
 
 
@@ -63,12 +56,7 @@ class ImageCaptions(Dataset):
 
 
 def collate_captions(samples: list[dict], pad_id: int) -> dict:
-    n = max(len(s["ids"]) for s in samples)
-    ids = torch.full((len(samples), n), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(samples), n, dtype=torch.bool)
-    for i, s in enumerate(samples):
-        ids[i, : len(s["ids"])] = torch.tensor(s["ids"], dtype=torch.long)
-        valid[i, : len(s["ids"])] = True
+    ids, valid = pad_ids([s["ids"] for s in samples], pad_id)
     return {
         "image": torch.stack([s["image"] for s in samples]),
         "caption": ids,

@@ -8,13 +8,14 @@ longest text: ``text`` (B, N) long, ``text_valid`` (B, N) bool (True = real toke
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .collate import pad_ids
+from .jsonl import read_jsonl
 from .roots import DataError
 
 
@@ -22,22 +23,10 @@ def read_manifest(path: Path) -> list[tuple[str, str]]:
     """``(text, label)`` pairs of a JSONL file. Raises ``DataError`` naming ``file:line`` for a line that
     is not a JSON object with a string ``text`` and a ``label``."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text, label = row["text"], row["label"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise DataError(
-                    f'{path}:{n}: expected {{"text": …, "label": …}}, got {line[:80]!r} ({e})'
-                ) from None
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{n}: 'text' must be a string, got {type(text).__name__}")
-            rows.append((text, str(label)))
-    if not rows:
-        raise DataError(f"{path} has no examples")
+    for n, row in read_jsonl(path, ("text", "label")):
+        if not isinstance(row["text"], str):
+            raise DataError(f"{path}:{n}: 'text' must be a string, got {type(row['text']).__name__}")
+        rows.append((row["text"], str(row["label"])))
     return rows
 
 
@@ -56,12 +45,7 @@ class TokenizedTexts(Dataset):
 
 def collate_texts(samples: list[dict], pad_id: int) -> dict:
     """Right-pad to the longest text of the batch."""
-    n = max(len(s["ids"]) for s in samples)
-    ids = torch.full((len(samples), n), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(samples), n, dtype=torch.bool)
-    for i, s in enumerate(samples):
-        ids[i, : len(s["ids"])] = torch.tensor(s["ids"], dtype=torch.long)
-        valid[i, : len(s["ids"])] = True
+    ids, valid = pad_ids([s["ids"] for s in samples], pad_id)
     return {"text": ids, "text_valid": valid, "label": torch.tensor([s["label"] for s in samples])}
 
 

@@ -282,6 +282,7 @@ class DiffusionSamples(L.Callback):
         from lightning.pytorch.loggers import WandbLogger
         from torchvision.utils import make_grid, save_image
 
+        from ..data.collate import pad_ids
         from ..tasks.diffusion import DiffusionTask
 
         for name, task in pl_module.tasks.items():
@@ -294,12 +295,7 @@ class DiffusionSamples(L.Callback):
                 val = trainer.datamodule.data[name].val
                 items = [val[i] for i in range(min(8, len(val)))]
                 shown = [it["caption"] for it in items]
-                ids = [it["ids"] for it in items for _ in range(per_class)]
-                n = max(map(len, ids))
-                captions = (
-                    torch.tensor([s + [0] * (n - len(s)) for s in ids]),
-                    torch.tensor([[True] * len(s) + [False] * (n - len(s)) for s in ids]),
-                )
+                captions = pad_ids([it["ids"] for it in items for _ in range(per_class)], pad_id=0)
             elif k:
                 labels = torch.arange(k).repeat_interleave(per_class)
             ema = next((c for c in trainer.callbacks if isinstance(c, EMAWeights)), None)
