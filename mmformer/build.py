@@ -11,6 +11,7 @@ import functools
 import hashlib
 import os
 import sys
+from types import SimpleNamespace
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
@@ -61,6 +62,7 @@ from .models.pretrained import (
     pretrained_family,
     resolve_pretrained,
 )
+from .models.pretrained.timm_vit import LoadReport, adapt_classifier, adapt_tokenizer
 from .nn.lora import apply_lora
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
@@ -85,6 +87,7 @@ from .training.callbacks import (
     ThroughputLogger,
 )
 from .training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
+from .training.freeze import FreezePretrained
 from .training.loggers import build_loggers
 from .training.runs import Run, RunFolder
 
@@ -220,6 +223,7 @@ def build_diffusion(cfg: DiffusionTaskConfig, recipe: RecipeConfig) -> Diffusion
         sample_steps=cfg.sample_steps,
         samples_per_class=cfg.samples_per_class,
         caption_tokenizer=cfg.caption_tokenizer,
+        conditional=bool(tok.num_classes or tok.text_conditional),
     )
 
 
@@ -303,11 +307,16 @@ def pin_pretrained(entries: dict[str, dict]) -> None:
 
 
 def _architecture(source: str) -> Pretrained:
-    from .models.pretrained import build_bert, build_llama
+    from .models.pretrained import build_bert, build_llama, build_timm_vit
     from .models.pretrained.whisper import build_whisper_encoder
 
     entry = _PINNED_PRETRAINED[source]
-    build = {"llama": build_llama, "bert": build_bert, "whisper": build_whisper_encoder}[entry["family"]]
+    build = {
+        "llama": build_llama,
+        "bert": build_bert,
+        "whisper": build_whisper_encoder,
+        "timm_vit": build_timm_vit,
+    }[entry["family"]]
     return Pretrained(build(entry["config"]), None, entry["config"], entry["family"], source)
 
 
@@ -341,10 +350,31 @@ def build_pretrained_backbone(cfg: PretrainedBackboneConfig) -> Backbone:
     return backbone
 
 
+def _timm_report(pretrained: Pretrained) -> LoadReport:
+    if pretrained.report is None:  # rebuilt from a checkpoint: nothing was read from the source
+        pretrained.report = LoadReport(pretrained.source)
+    return pretrained.report
+
+
 @register("tokenizer", "pretrained", PretrainedTokenizerConfig)
 def build_pretrained_tokenizer(cfg: PretrainedTokenizerConfig, d_model: int):
-    (tokenizer,) = _pretrained(cfg.source).model.tokenizers.values()
-    width = tokenizer.embed.embedding_dim if hasattr(tokenizer, "embed") else tokenizer.conv2.out_channels
+    pretrained = _pretrained(cfg.source)
+    (tokenizer,) = pretrained.model.tokenizers.values()
+    if pretrained.family == "timm_vit":
+        try:
+            tokenizer, _ = adapt_tokenizer(
+                tokenizer, pretrained.config, _timm_report(pretrained), cfg.image_size, cfg.in_chans
+            )
+        except ValueError as e:
+            raise RecipeError(f"image_size / in_chans of the {cfg.source} tokenizer: {e}") from None
+    elif cfg.image_size is not None or cfg.in_chans is not None:
+        raise RecipeError(f"image_size / in_chans apply to image encoders; {cfg.source} is not one")
+    if hasattr(tokenizer, "embed"):
+        width = tokenizer.embed.embedding_dim
+    elif hasattr(tokenizer, "patch_embed"):
+        width = tokenizer.patch_embed.proj.out_channels
+    else:
+        width = tokenizer.conv2.out_channels
     if width != d_model:
         raise RecipeError(f"the {cfg.source} tokenizer is {width} wide but the backbone is {d_model}")
     if cfg.freq_mask or cfg.time_mask:
@@ -362,6 +392,12 @@ def build_pretrained_head(cfg: PretrainedHeadConfig, d_model: int, tokenizer):
     heads = list(pretrained.model.heads.values())
     if len(heads) != 1:
         raise RecipeError(f"{cfg.source} carries no head to reuse; add a new head (e.g. kind: classifier)")
+    if pretrained.family == "timm_vit":
+        return adapt_classifier(
+            heads[0], cfg.num_classes or heads[0].head.out_features, _timm_report(pretrained)
+        )
+    if cfg.num_classes is not None:
+        raise RecipeError(f"num_classes applies to a timm ViT's classifier; {cfg.source} is not one")
     if tokenizer is not None and tokenizer not in pretrained.model.tokenizers.values():
         raise RecipeError(
             f"a pretrained head of {cfg.source} reads its own vocabulary: the task's tokenizer must be "
@@ -393,7 +429,9 @@ def build_classification(cfg: ClassificationTaskConfig, recipe: RecipeConfig) ->
 
 @register("dataset", "image_folder", ImageFolderDataConfig)
 def build_image_folder(cfg: ImageFolderDataConfig, task, recipe: RecipeConfig):
-    return image_folder_data(cfg, recipe.model.tokenizers[task.tokenizer], _num_classes(task, recipe))
+    return image_folder_data(
+        cfg, image_spec(recipe.model.tokenizers[task.tokenizer]), _num_classes(task, recipe)
+    )
 
 
 @register("dataset", "image_caption", ImageCaptionDataConfig)
@@ -406,14 +444,46 @@ def build_image_caption(cfg: ImageCaptionDataConfig, task, recipe: RecipeConfig)
 
 @register("dataset", "cifar10", CIFAR10DataConfig)
 def build_cifar10(cfg: CIFAR10DataConfig, task, recipe: RecipeConfig):
-    return cifar10_data(cfg, recipe.model.tokenizers[task.tokenizer], _num_classes(task, recipe))
+    return cifar10_data(cfg, image_spec(recipe.model.tokenizers[task.tokenizer]), _num_classes(task, recipe))
+
+
+_SOURCE_CONFIGS: dict[str, dict] = {}
+
+
+def _source_config(source: str) -> dict:
+    """The description of a pretrained source (pinned from a checkpoint, or read from the source once)."""
+    pinned = _PINNED_PRETRAINED.get(source)
+    if pinned:
+        return pinned["config"]
+    key = str(resolve_pretrained(source).resolve())
+    if key not in _SOURCE_CONFIGS:
+        _SOURCE_CONFIGS[key] = _pretrained(source).config
+    return _SOURCE_CONFIGS[key]
 
 
 def _num_classes(task, recipe: RecipeConfig) -> int | None:
-    """The classes a task's data must have: its head's, else its tokenizer's (a class-conditional DiT)."""
+    """The classes a task's data must have: its head's, else its tokenizer's (a class-conditional DiT);
+    a pretrained timm classifier has the checkpoint's unless the recipe gives ``num_classes``."""
     head = recipe.model.heads.get(getattr(task, "head", None))
     tok = recipe.model.tokenizers.get(getattr(task, "tokenizer", None))
-    return getattr(head, "num_classes", None) or getattr(tok, "num_classes", None)
+    n = getattr(head, "num_classes", None) or getattr(tok, "num_classes", None)
+    if n is None and head is not None and head.kind == "pretrained" and tokenizer_modality(tok) == "image":
+        n = _source_config(head.source).get("num_classes") or None
+    return n
+
+
+def image_spec(tok_cfg):
+    """What the data side needs of an image tokenizer's config (``image_size``, ``in_chans``): the
+    config itself, or for a pretrained image encoder the recipe's overrides, else the checkpoint's."""
+    if tok_cfg.kind != "pretrained":
+        return tok_cfg
+    config = _source_config(tok_cfg.source)
+    h, w = config["image_size"]
+    if tok_cfg.image_size is None and h != w:
+        raise RecipeError(f"{tok_cfg.source} takes {h}×{w} images; set image_size for square ones")
+    return SimpleNamespace(
+        image_size=tok_cfg.image_size or h, in_chans=tok_cfg.in_chans or config["in_chans"]
+    )
 
 
 # --------------------------------------------------------------------------- composition
@@ -511,6 +581,9 @@ def build_model(
             tokenizer = tokenizers.get(readers[0]) if readers else None
             heads[name] = lookup("head", cfg.kind).builder(cfg, d, tokenizer)
         loaded = {p.source: {"family": p.family, "config": p.config} for p in _BUILD_SESSION.values()}
+        for p in _BUILD_SESSION.values():
+            if p.report is not None and (p.report.loaded or p.report.resized):
+                print(p.report)
     finally:
         _BUILD_SESSION = None
     model = MultimodalModel(tokenizers, backbone, heads)
@@ -597,6 +670,34 @@ def default_monitor(recipe: RecipeConfig, module: MultiTaskModule) -> tuple[str,
     return monitor, recipe.checkpoint.mode or (mode if monitor == f"val/{first}/{metric}" else known[monitor])
 
 
+def _pretrained_parts(recipe: RecipeConfig):
+    """``module → [modules of kind pretrained: tokenizers, backbone]`` for ``optim.freeze_pretrained_epochs``
+    (heads are left training: a new classifier is what the frozen stage trains).
+    Raises ``RecipeError`` when nothing is pretrained or DDP would see unused parameters."""
+    m = recipe.model
+    names = [n for n, c in m.tokenizers.items() if c.kind == "pretrained"]
+    if not names and m.backbone.kind != "pretrained":
+        raise RecipeError(
+            "optim.freeze_pretrained_epochs freezes parts of kind pretrained; this model has none"
+        )
+    if (
+        recipe.trainer.strategy.startswith("ddp")
+        and "find_unused_parameters_true" not in recipe.trainer.strategy
+    ):
+        raise RecipeError(
+            "optim.freeze_pretrained_epochs leaves frozen parameters without gradients, which DDP must be "
+            "told about: set trainer.strategy: ddp_find_unused_parameters_true"
+        )
+
+    def parts(pl_module):
+        model = pl_module.model
+        return [model.tokenizers[n] for n in names] + (
+            [model.backbone] if m.backbone.kind == "pretrained" else []
+        )
+
+    return parts
+
+
 def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra_callbacks=()) -> L.Trainer:
     monitor, mode = default_monitor(recipe, module)
     ck = recipe.checkpoint
@@ -617,6 +718,9 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         else []
     )
     ema = [EMAWeights(recipe.optim.ema_decay)] if recipe.optim.ema_decay is not None else []
+    freeze = []
+    if recipe.optim.freeze_pretrained_epochs:
+        freeze = [FreezePretrained(recipe.optim.freeze_pretrained_epochs, _pretrained_parts(recipe))]
     loggers = build_loggers(
         recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
     )
@@ -656,6 +760,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
             AudioSamples(),
             DiffusionSamples(),
             *ema,
+            *freeze,
             *progress,
             *extra_callbacks,
         ],

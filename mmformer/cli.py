@@ -371,9 +371,34 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def _export_timm(args) -> int:
+    from .evaluation import load_checkpoint
+    from .models.pretrained.timm_vit import save_timm_vit, vit_config
+
+    loaded, task = load_checkpoint(args.checkpoint, "classification")
+    head = loaded.module.tasks[task].head
+    try:
+        config = vit_config(loaded.model, head)
+    except ValueError as e:
+        raise UsageError(f"{args.checkpoint}: {e}") from None
+    sources = [c["config"] for c in getattr(loaded.module, "pretrained_configs", {}).values()]
+    arch = next((c["architecture"] for c in sources if "architecture" in c), None)
+    config["architecture"] = arch or config["architecture"]
+    save_timm_vit(loaded.model, config, args.out, head)
+    print(
+        f"wrote a timm ViT directory to {args.out}; load it with "
+        f'timm.create_model("local-dir:{args.out}", pretrained=True)'
+    )
+    return 0
+
+
 def cmd_export(args) -> int:
-    """Write a trained Llama-layout checkpoint (a fine-tuned SmolLM2, LoRA merged) as an HF directory."""
+    """Write a trained checkpoint in its reference layout: a Llama-layout model (a fine-tuned SmolLM2,
+    LoRA merged) as an HF directory, a ViT classifier as a timm directory."""
     from .models.pretrained import llama_config, save_hf_llama
+
+    if args.format == "timm" or (args.format == "auto" and _is_vit_checkpoint(args.checkpoint)):
+        return _export_timm(args)
     from .nn.lora import merge_lora
 
     model, tok, _, _ = _generation_model(args.checkpoint)
@@ -386,6 +411,29 @@ def cmd_export(args) -> int:
     extra = f" ({merged} LoRA adapters merged)" if merged else ""
     print(f"wrote an HF Llama directory to {args.out}{extra}; load it with LlamaForCausalLM.from_pretrained")
     return 0
+
+
+def _is_vit_checkpoint(path: Path) -> bool:
+    """A training checkpoint whose recipe has an image classification task."""
+    import torch
+
+    from .build import pin_checkpoint, tokenizer_modality
+    from .config import recipe_from_yaml
+
+    if not Path(path).is_file() or Path(path).suffix != ".ckpt":
+        return False
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if "recipe_yaml" not in ckpt.get("mmformer", {}):
+        return False
+    pin_checkpoint(ckpt)
+    try:
+        recipe = recipe_from_yaml(ckpt["mmformer"]["recipe_yaml"])
+        return any(
+            t.kind == "classification" and tokenizer_modality(recipe.model.tokenizers[t.tokenizer]) == "image"
+            for t in recipe.tasks.values()
+        )
+    finally:
+        pin_checkpoint(None)
 
 
 def cmd_info(args) -> int:
@@ -472,12 +520,20 @@ def _parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
     e = sub.add_parser(
         "export",
-        help="write a Llama-layout checkpoint as an HF directory (LoRA adapters merged)",
-        description="The directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json "
-        "with the chat template) loads with transformers' LlamaForCausalLM.from_pretrained.",
+        help="write a checkpoint in its reference layout: HF Llama (LoRA merged) or timm ViT",
+        description="A Llama-layout model becomes an HF directory (config.json, model.safetensors, "
+        "tokenizer.json, tokenizer_config.json with the chat template) that transformers' "
+        "LlamaForCausalLM.from_pretrained loads; a ViT image classifier becomes a timm directory "
+        "(config.json, model.safetensors) that timm.create_model('local-dir:OUT', pretrained=True) loads.",
     )
-    e.add_argument("checkpoint", type=Path, help="a .ckpt of a Llama-layout recipe, or pretrained weights")
+    e.add_argument("checkpoint", type=Path, help="a .ckpt written by mmformer train, or pretrained weights")
     e.add_argument("out", type=Path, help="output directory")
+    e.add_argument(
+        "--format",
+        choices=("auto", "llama", "timm"),
+        default="auto",
+        help="auto: timm for an image classifier",
+    )
     e.set_defaults(fn=cmd_export)
     sp = sub.add_parser(
         "sample",

@@ -467,6 +467,8 @@ class PretrainedTokenizerConfig:
     kind: str = "pretrained"
     source: str = MISSING
     freeze: bool = False  # keep the embeddings / stem (and a head tied to them) fixed
+    image_size: Optional[int] = None  # image (timm ViT): position embeddings resampled to this size
+    in_chans: Optional[int] = None  # image (timm ViT): patch embedding adapted to 1 (gray) or 3 channels
     max_seconds: float = 30.0  # audio: longer clips are cut (Whisper has 30 s of positions)
     random_crop: bool = False  # audio: training clips longer than max_seconds get a random window
     freq_mask: int = 0  # audio: SpecAugment frequency mask width in mel bins (training only)
@@ -482,7 +484,9 @@ class PretrainedTokenizerConfig:
         return 16_000  # Whisper's
 
     def __post_init__(self) -> None:
-        _positive(self, "max_seconds")
+        _positive(self, "max_seconds", "image_size")
+        if self.in_chans not in (None, 1, 3):
+            raise ValueError(f"in_chans must be 1 (grayscale) or 3 (RGB), got {self.in_chans}")
         if self.max_seconds > 30.0:
             raise ValueError(f"max_seconds={self.max_seconds}: Whisper's encoder has 30 s of positions")
 
@@ -490,10 +494,15 @@ class PretrainedTokenizerConfig:
 @dataclass
 class PretrainedHeadConfig:
     """``model.heads.<name>`` of kind ``pretrained``: the head the weights carry (``lm`` of a Llama,
-    ``embedding`` — mean pool + L2 — of a sentence encoder)."""
+    ``embedding`` — mean pool + L2 — of a sentence encoder, the classifier of a timm ViT, replaced by a
+    new zero-initialised one when ``num_classes`` differs from the checkpoint's)."""
 
     kind: str = "pretrained"
     source: str = MISSING
+    num_classes: Optional[int] = None  # timm ViT: a new classifier for this many classes
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_classes")
 
 
 @dataclass
@@ -580,12 +589,15 @@ class OptimConfig:
     min_lr: float = 0.0
     layer_decay: Optional[float] = None  # layer-wise LR decay: block i of L trains at lr · decay^(L - i)
     ema_decay: Optional[float] = None  # keep an EMA of the weights (validation, checkpoints, sampling use it)
+    freeze_pretrained_epochs: int = 0  # the parts of kind pretrained train frozen (linear probe) this long
 
     def __post_init__(self) -> None:
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.name != "adamw":
             raise ValueError(f"optim.name={self.name!r}; only 'adamw' is available")
+        if self.freeze_pretrained_epochs < 0:
+            raise ValueError(f"freeze_pretrained_epochs must be >= 0, got {self.freeze_pretrained_epochs}")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"schedule={self.schedule!r}; choose cosine | linear | constant")
         if len(self.betas) != 2:

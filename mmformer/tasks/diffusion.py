@@ -5,7 +5,10 @@ variance and min-SNR weighting) or rectified flow; the process lives in ``mmform
 Batch keys: ``image`` ``(B, C, H, W)`` uint8 (scaled here to [-1, 1]) or float already in [-1, 1];
 ``label`` ``(B,)`` long for class-conditional models; ``caption`` ``(B, L)`` long and ``caption_valid``
 ``(B, L)`` bool for text-conditional ones. Validation reports the same loss on noise and
-timesteps drawn from a fixed seed, so epochs compare like with like.
+timesteps drawn from a fixed seed, so epochs compare like with like; a conditional model also reports
+``loss_uncond``, the same loss (same noise, same timesteps) with the condition replaced by the null one.
+``loss_uncond - loss`` is what the class or caption tells the network about held-out images: 0 when
+the condition is ignored, larger as conditioning is learnt.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class DiffusionTask(nn.Module):
     sample_cfg_scale, sample_steps, samples_per_class: the sample grid logged after each validation.
     caption_tokenizer: the text tokenizer entry whose embeddings, mean-pooled over a caption's tokens,
         condition a text-conditional DiT (batches then carry ``caption`` and ``caption_valid``).
+    conditional: the DiT is class- or text-conditional; validation then also reports ``loss_uncond``.
 
     Rectified-flow times t ∈ [0, 1] reach the timestep embedding as ``t · FLOW_TIME_SCALE`` (1000), so
     they spread over the same sinusoid frequencies as the 1,000 integer DDPM steps.
@@ -61,6 +65,7 @@ class DiffusionTask(nn.Module):
         sample_steps: int = 50,
         samples_per_class: int = 8,
         caption_tokenizer: str | None = None,
+        conditional: bool = False,
     ):
         super().__init__()
         self.tokenizer, self.head, self.input_key = tokenizer, head, input_key
@@ -70,6 +75,8 @@ class DiffusionTask(nn.Module):
         self.samples_per_class = samples_per_class
         self.caption_tokenizer = caption_tokenizer
         self.val_metrics = nn.ModuleDict({"loss": MeanMetric()})
+        if conditional:
+            self.val_metrics["loss_uncond"] = MeanMetric()
         self._val_generator: torch.Generator | None = None
 
     @property
@@ -123,20 +130,27 @@ class DiffusionTask(nn.Module):
             cond["text"] = self.pooled_caption(model, batch["caption"], batch["caption_valid"])
         return cond
 
-    def _loss(self, model: MultimodalModel, x0: Tensor, cond: dict, generator) -> Tensor:
+    def _draw(self, x0: Tensor, generator) -> tuple[Tensor, Tensor]:
+        """``(noise like x0, t (B,))``: integer steps for Gaussian diffusion, t in [0, 1] for flow."""
         noise = torch.randn(x0.shape, generator=generator, device=x0.device)
         B = x0.shape[0]
         if self.kind == "flow":
-            t = self.process.sample_t(B, generator=generator, device=x0.device)
+            return noise, self.process.sample_t(B, generator=generator, device=x0.device)
+        return noise, torch.randint(
+            0, self.process.num_timesteps, (B,), generator=generator, device=x0.device
+        )
+
+    def _loss(self, model: MultimodalModel, x0: Tensor, cond: dict, noise: Tensor, t: Tensor) -> Tensor:
+        """Per-sample loss ``(B,)`` at the given noise and timesteps."""
+        if self.kind == "flow":
             out = self.denoise(model, self.process.interpolate(x0, noise, t), t, **cond)
             return self.process.loss(out, x0, noise)
-        t = torch.randint(0, self.process.num_timesteps, (B,), generator=generator, device=x0.device)
         out = self.denoise(model, self.process.q_sample(x0, t, noise), t, **cond)
         return self.process.loss(out, x0, noise, t, self.min_snr_gamma)
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
         x0 = to_unit_range(batch[self.input_key])
-        return self._loss(model, x0, self._condition(model, batch), None).mean()
+        return self._loss(model, x0, self._condition(model, batch), *self._draw(x0, None)).mean()
 
     def on_validation_epoch_start(self) -> None:
         self._val_generator = None  # every validation pass draws the same noise
@@ -145,9 +159,14 @@ class DiffusionTask(nn.Module):
         x0 = to_unit_range(batch[self.input_key])
         if self._val_generator is None or self._val_generator.device != x0.device:
             self._val_generator = torch.Generator(x0.device).manual_seed(self.val_seed)
-        self.val_metrics["loss"].update(
-            self._loss(model, x0, self._condition(model, batch), self._val_generator)
-        )
+        cond = self._condition(model, batch)
+        noise, t = self._draw(x0, self._val_generator)
+        self.val_metrics["loss"].update(self._loss(model, x0, cond, noise, t))
+        if cond:
+            dropped = torch.ones(x0.shape[0], dtype=torch.bool, device=x0.device)
+            self.val_metrics["loss_uncond"].update(
+                self._loss(model, x0, {**cond, "force_drop": dropped}, noise, t)
+            )
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()

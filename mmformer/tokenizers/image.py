@@ -25,14 +25,25 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-class PatchEmbed(nn.Module):
-    """Non-overlapping ``patch_size`` patches through one strided conv (timm ``PatchEmbed``)."""
+def image_hw(image_size: int | tuple[int, int]) -> tuple[int, int]:
+    """``(height, width)`` of a square side or an ``(H, W)`` pair."""
+    if isinstance(image_size, int):
+        return image_size, image_size
+    h, w = image_size
+    return int(h), int(w)
 
-    def __init__(self, image_size: int, patch_size: int, in_chans: int, d_model: int):
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping ``patch_size`` patches through one strided conv (timm ``PatchEmbed``);
+    ``image_size`` is a square side or ``(H, W)``."""
+
+    def __init__(self, image_size: int | tuple[int, int], patch_size: int, in_chans: int, d_model: int):
         super().__init__()
-        if image_size % patch_size:
+        h, w = image_hw(image_size)
+        if h % patch_size or w % patch_size:
             raise ValueError(f"image_size={image_size} is not divisible by patch_size={patch_size}")
-        self.grid_size = (image_size // patch_size, image_size // patch_size)
+        self.image_size, self.patch_size = (h, w), patch_size
+        self.grid_size = (h // patch_size, w // patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = nn.Conv2d(in_chans, d_model, kernel_size=patch_size, stride=patch_size)
 
@@ -45,7 +56,7 @@ class ViTPatchTokenizer(nn.Module):
 
     Args:
         d_model: token width ``D`` (the backbone's).
-        image_size: input side in pixels (square images).
+        image_size: input side in pixels, or ``(H, W)`` for non-square images.
         patch_size: patch side in pixels; must divide ``image_size``.
         in_chans: input channels ``C`` (1 grayscale, 3 RGB).
         class_token: prepend a learned ``cls_token`` (its position embedding is ``pos_embed[:, 0]``,
@@ -64,7 +75,7 @@ class ViTPatchTokenizer(nn.Module):
     def __init__(
         self,
         d_model: int,
-        image_size: int = 224,
+        image_size: int | tuple[int, int] = 224,
         patch_size: int = 16,
         in_chans: int = 3,
         class_token: bool = True,
@@ -103,13 +114,13 @@ class ViTPatchTokenizer(nn.Module):
 
     def example_input(self, batch_size: int = 1) -> Tensor:
         """Zeros of the expected input shape ``(batch_size, C, H, W)`` (FLOP counting, smoke tests)."""
-        return torch.zeros(batch_size, self.in_chans, self.image_size, self.image_size)
+        return torch.zeros(batch_size, self.in_chans, *self.patch_embed.image_size)
 
     def forward(self, pixels: Tensor) -> Tokens:
-        if pixels.dim() != 4 or pixels.shape[1:] != (self.in_chans, self.image_size, self.image_size):
+        h, w = self.patch_embed.image_size
+        if pixels.dim() != 4 or pixels.shape[1:] != (self.in_chans, h, w):
             raise ValueError(
-                f"ViTPatchTokenizer expects pixels (B, {self.in_chans}, {self.image_size}, "
-                f"{self.image_size}), got {tuple(pixels.shape)}"
+                f"ViTPatchTokenizer expects pixels (B, {self.in_chans}, {h}, {w}), got {tuple(pixels.shape)}"
             )
         if pixels.dtype == torch.uint8:
             pixels = (pixels.to(self.pixel_mean.dtype) - self.pixel_mean) / self.pixel_std

@@ -49,6 +49,7 @@ def _train(workdir, capsys, objective="gaussian", learn_sigma="false"):
 def test_trains_checkpoints_ema_weights_and_writes_sample_grids(workdir, capsys):
     _, run, out = _train(workdir, capsys)
     loss = float(next(ln.split()[1] for ln in out.splitlines() if ln.startswith("val/toy/loss")))
+    assert "val/toy/loss_uncond" in out  # the same loss with the class dropped
     grids = sorted((run / "samples").glob("toy-step*.png"))
     assert grids and Image.open(grids[-1]).size == (3 * 29 + 1, 2 * 29 + 1)  # 3 per class, 2 classes
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
@@ -213,3 +214,33 @@ def test_caption_conditioning_differs_by_caption_and_null_is_learned():
     emb.dropout = 0.25
     rate = (emb.train()(torch.randn(40_000, 8)) == emb.null).all(-1).float().mean().item()
     assert abs(rate - 0.25) < 0.01
+
+
+def test_validation_reports_the_unconditional_loss_on_the_same_noise():
+    from mmformer.build import build_module
+    from mmformer.config import recipe_from_yaml
+
+    recipe = RECIPE.format(root="unused", objective="gaussian", learn_sigma="false")
+    module = build_module(recipe_from_yaml(recipe))
+    model, task = module.model, module.tasks["toy"]
+    for layer in (model.heads["eps"].linear, model.heads["eps"].adaLN_modulation[-1]):
+        torch.nn.init.normal_(layer.weight)  # a head that reads its input and the condition
+    images = torch.randint(0, 256, (4, 1, 28, 28), dtype=torch.uint8)
+    batch = {"image": images, "label": torch.tensor([0, 1, 0, 1])}
+
+    def losses():
+        for metric in task.val_metrics.values():
+            metric.reset()
+        task.on_validation_epoch_start()
+        task.validation_update(model.eval(), batch)
+        return float(task.val_metrics["loss"].compute()), float(task.val_metrics["loss_uncond"].compute())
+
+    table = model.tokenizers["image"].y_embedder.embedding_table.weight
+    with torch.no_grad():
+        table.copy_(table[2].expand_as(table))  # every class embeds like the null class (row 2)
+    conditional, unconditional = losses()
+    assert conditional == unconditional  # same noise, same timesteps, a condition that says nothing
+    with torch.no_grad():
+        torch.nn.init.normal_(table)
+    conditional, unconditional = losses()
+    assert conditional != unconditional and losses() == (conditional, unconditional)  # seeded

@@ -1,9 +1,10 @@
 """Real pretrained weights into mmformer models: Llama-family decoders from GGUF files or HF
 directories (and back to HF), BERT encoders from HF directories, Whisper's audio encoder from
-CTranslate2 directories.
+CTranslate2 directories, timm ViTs from weight files or timm's HF directories (and back).
 
-``load_pretrained(name_or_path)`` accepts a known name (``PRETRAINED``), a ``.gguf`` file, or an HF
-directory whose ``config.json`` names a Llama or BERT model, and returns a ``Pretrained``.
+``load_pretrained(name_or_path)`` accepts a known name (``PRETRAINED``), a ``.gguf`` file, an HF
+directory whose ``config.json`` names a Llama or BERT model, a timm ViT directory or weights file,
+and returns a ``Pretrained``.
 Known names resolve to weights shipped inside pip packages (no download at run time); a missing
 package is reported with the command that installs it.
 """
@@ -21,19 +22,22 @@ from ...tokenizers.text import TextTokenizer
 from ..model import MultimodalModel
 from .bert import BERT_SPECIAL, SentenceEmbeddingHead, build_bert, load_hf_bert
 from .llama import build_llama, hf_tokenizer, llama_config, load_gguf_llama, load_hf_llama, save_hf_llama
+from .timm_vit import build_timm_vit, is_timm_vit_source, load_timm_vit
 from .whisper import is_whisper_ct2, load_whisper_encoder
 
 
 @dataclass
 class Pretrained:
     """``model`` (tokenizers/backbone/heads), its data-side ``tokenizer``, the HF-style ``config`` dict,
-    ``family`` (``llama``, ``bert`` or ``whisper``) and the ``source`` it was read from."""
+    ``family`` (``llama``, ``bert``, ``whisper`` or ``timm_vit``), the ``source`` it was read from and,
+    for timm ViTs, the ``report`` of what was loaded."""
 
     model: MultimodalModel
-    tokenizer: TextTokenizer | None  # the data-side text tokenizer (None for audio encoders)
+    tokenizer: TextTokenizer | None  # the data-side text tokenizer (None for audio and image encoders)
     config: dict
     family: str
     source: str
+    report: object | None = None
 
 
 # name → (pip package holding the files, file or directory inside it, install command, family)
@@ -52,7 +56,7 @@ PRETRAINED = {
         "whisper",
     ),
 }
-FAMILY_MODALITY = {"llama": "text", "bert": "text", "whisper": "audio"}
+FAMILY_MODALITY = {"llama": "text", "bert": "text", "whisper": "audio", "timm_vit": "image"}
 
 
 def resolve_pretrained(name_or_path: str | Path) -> Path:
@@ -75,7 +79,7 @@ def resolve_pretrained(name_or_path: str | Path) -> Path:
 
 
 def pretrained_family(name_or_path: str | Path) -> str:
-    """``llama``, ``bert`` or ``whisper``, from the name or the files (no tensors are read).
+    """``llama``, ``bert``, ``whisper`` or ``timm_vit``, from the name or the files (no tensors are read).
     Raises ``FileNotFoundError`` / ``ValueError`` for an unknown format."""
     key = str(name_or_path).lower()
     if key in PRETRAINED:
@@ -84,9 +88,15 @@ def pretrained_family(name_or_path: str | Path) -> str:
     if path.is_file():
         if path.suffix == ".gguf":
             return "llama"
-        raise ValueError(f"{str(path)!r}: expected a .gguf file or a model directory")
+        if is_timm_vit_source(path):
+            return "timm_vit"
+        raise ValueError(
+            f"{str(path)!r}: expected a .gguf file, a timm ViT weights file or a model directory"
+        )
     if is_whisper_ct2(path):
         return "whisper"
+    if is_timm_vit_source(path):
+        return "timm_vit"
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} has no config.json (expected an HF model directory)")
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
@@ -101,8 +111,8 @@ def load_pretrained_tokenizer(name_or_path: str | Path) -> TextTokenizer:
     """Only the data-side text tokenizer of pretrained weights (no tensors are read). Raises
     ``ValueError`` for an audio encoder."""
     family, path = pretrained_family(name_or_path), resolve_pretrained(name_or_path)
-    if family == "whisper":
-        raise ValueError(f"{name_or_path} is an audio encoder; it has no text tokenizer")
+    if family in ("whisper", "timm_vit"):
+        raise ValueError(f"{name_or_path} is an {FAMILY_MODALITY[family]} encoder; it has no text tokenizer")
     if path.is_file():
         from .gguf import read_gguf, tokenizer_from_gguf
 
@@ -122,6 +132,9 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32
     if family == "whisper":
         model, config = load_whisper_encoder(path, dtype)
         return Pretrained(model, None, config, family, str(path))
+    if family == "timm_vit":
+        model, config, report = load_timm_vit(path, dtype)
+        return Pretrained(model, None, config, family, str(path), report)
     if path.is_file():
         model, tok, config = load_gguf_llama(path, dtype)
         return Pretrained(model, tok, config, family, str(path))
@@ -140,12 +153,14 @@ __all__ = [
     "SentenceEmbeddingHead",
     "build_bert",
     "build_llama",
+    "build_timm_vit",
     "llama_config",
     "load_gguf_llama",
     "load_hf_bert",
     "load_hf_llama",
     "load_pretrained",
     "load_pretrained_tokenizer",
+    "load_timm_vit",
     "load_whisper_encoder",
     "pretrained_family",
     "resolve_pretrained",

@@ -1,0 +1,496 @@
+"""timm ``VisionTransformer`` checkpoints into mmformer and back.
+
+mmformer's ViT (``ViTPatchTokenizer`` → pre-LN ``Backbone`` → ``ClassifierHead``) uses timm's parameter
+names, so a timm state dict maps onto it by prefix alone (``patch_embed.``/``cls_token``/``pos_embed``
+→ the image tokenizer, ``blocks.``/``norm.`` → the backbone, ``fc_norm.``/``head.`` → the classifier).
+
+Sources (``load_timm_vit``):
+  * a directory in timm's Hugging Face layout — ``config.json`` (``architecture``, ``num_classes``,
+    ``model_args``, ``pretrained_cfg`` with ``input_size``/``mean``/``std``) beside ``model.safetensors``
+    or ``pytorch_model.bin`` — what ``timm.models.push_to_hf_hub``/``save_for_hf`` write and what
+    ``timm.create_model("local-dir:…")`` reads;
+  * one weights file (``.safetensors``, ``.pth``, ``.pt``, ``.bin``) named after its architecture as
+    timm names checkpoints (``vit_small_patch16_224.augreg_in21k.safetensors``), i.e. the file one
+    passes to ``timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=dict(file=…))``; a
+    ``.pth`` may wrap the state dict in ``state_dict``/``model`` and carry DDP's ``module.`` prefix.
+
+The architecture (heads, pooling, class token, layer scale, …) is read from timm itself: the model is
+instantiated on the meta device (no memory, no weights) and its attributes are inspected, so every
+``vit_*``/``deit_*`` variant timm knows is described exactly. timm is imported here lazily (importing it
+imports W&B), only when a checkpoint is read or written.
+
+Adaptations, each reported (``LoadReport``): position embeddings resampled to a new image size
+(timm's ``resample_abs_pos_embed``: bicubic, antialiased, class token excluded; non-square sizes too),
+the patch embedding adapted to another number of input channels (timm's ``adapt_input_conv``), and a
+new zero-initialised classifier for another number of classes. ``save_timm_vit`` writes timm's layout
+back, which timm loads with ``create_model("local-dir:DIR")``.
+
+Checkpoints are read with safetensors or ``torch.load(weights_only=True)``: never arbitrary pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ...tokenizers.image import ViTPatchTokenizer
+from ..backbone import build_backbone
+from ..heads import ClassifierHead
+from ..model import MultimodalModel
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pth")
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+TOKENIZER_KEYS = ("patch_embed.", "cls_token", "pos_embed")
+HEAD_KEYS = ("fc_norm.", "head.")
+
+
+@dataclass
+class LoadReport:
+    """What a load did to each parameter: ``loaded`` as is, ``resized`` (name, old shape, new shape,
+    how), ``new`` (initialised here), ``ignored`` (in the checkpoint, not used)."""
+
+    source: str
+    loaded: list[str] = field(default_factory=list)
+    resized: list[tuple[str, tuple, tuple, str]] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"timm ViT {self.source}: {len(self.loaded)} tensors loaded"]
+        lines += [f"  resized  {n}: {list(a)} → {list(b)} ({how})" for n, a, b, how in self.resized]
+        lines += [f"  new      {n} (initialised here)" for n in self.new]
+        lines += [f"  ignored  {n}" for n in self.ignored]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- reading
+def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """The tensors of a ``.safetensors`` file, or of a torch file loaded with ``weights_only=True``
+    (unwrapping ``state_dict``/``model``/``state_dict_ema`` and stripping ``module.``).
+    Raises ``ValueError`` when the file holds no state dict."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    for key in ("state_dict_ema", "state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
+        raise ValueError(f"{str(path)!r} does not hold a state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def is_timm_vit_source(path: str | Path) -> bool:
+    """A timm-layout directory (``config.json`` naming an ``architecture``) or a weights file."""
+    path = Path(path)
+    if path.is_dir():
+        cfg = path / "config.json"
+        return cfg.is_file() and "architecture" in json.loads(cfg.read_text())
+    return path.suffix in WEIGHT_SUFFIXES
+
+
+def _read_source(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    """``(timm config {architecture, num_classes, model_args, pretrained_cfg}, state dict)``."""
+    if path.is_dir():
+        cfg = json.loads((path / "config.json").read_text())
+        if "pretrained_cfg" not in cfg:  # timm's legacy single-dict layout
+            cfg = {"architecture": cfg.pop("architecture"), "pretrained_cfg": cfg, **cfg}
+        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
+        if weights is None:
+            raise FileNotFoundError(f"{str(path)!r} has none of {', '.join(WEIGHT_FILES)}")
+        return cfg, read_state_dict(weights)
+    arch = re.match(r"^((?:vit|deit|deit3)_[a-z0-9_]+?)(?:\.[\w-]+)?$", path.stem)
+    if arch is None:
+        raise ValueError(
+            f"cannot tell the architecture of {path.name!r}: name the file after it as timm does "
+            "(e.g. vit_small_patch16_224.augreg_in21k.safetensors) or put it in a directory with timm's "
+            'config.json ({"architecture": "vit_small_patch16_224", ...})'
+        )
+    return {"architecture": arch.group(1), "pretrained_cfg": {}}, read_state_dict(path)
+
+
+def _timm_skeleton(arch: str, model_args: dict, num_classes: int) -> nn.Module:
+    """timm's model for ``arch`` on the meta device: its attributes, no weights."""
+    try:
+        import timm
+    except ImportError as e:  # pragma: no cover - timm is a dependency
+        raise ImportError("reading timm checkpoints needs timm: pip install timm") from e
+    if not timm.is_model(arch):
+        raise ValueError(f"timm has no architecture {arch!r}")
+    with torch.device("meta"):
+        model = timm.create_model(arch, pretrained=False, **{**model_args, "num_classes": num_classes})
+    from timm.models.vision_transformer import VisionTransformer
+
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"{arch!r} is a {type(model).__name__}; mmformer imports timm VisionTransformers")
+    return model
+
+
+def timm_vit_config(timm_cfg: dict, state: dict[str, Tensor]) -> dict:
+    """The mmformer description of a timm ViT checkpoint (JSON-able: checkpoints carry it).
+    Raises ``ValueError`` for a feature mmformer's ViT does not have (register tokens, QK-norm,
+    pre-norm, attention pooling, no-embed-class) or weights that do not fit the architecture."""
+    arch = timm_cfg["architecture"]
+    pcfg = timm_cfg.get("pretrained_cfg", {})
+    model_args = {k: v for k, v in timm_cfg.get("model_args", {}).items() if k != "num_classes"}
+    num_classes = int(state["head.weight"].shape[0]) if "head.weight" in state else 0
+    m = _timm_skeleton(arch, model_args, num_classes)
+    block = m.blocks[0]
+    unsupported = {
+        "register tokens": getattr(m, "num_reg_tokens", 0) > 0,
+        "no_embed_class": getattr(m, "no_embed_class", False),
+        "QK-norm": not isinstance(block.attn.q_norm, nn.Identity),
+        "a pre-norm (CLIP-style norm_pre)": not isinstance(m.norm_pre, nn.Identity),
+        f"global_pool={m.global_pool!r}": m.global_pool not in ("token", "avg"),
+        "an MLP other than Linear-GELU-Linear": not isinstance(getattr(block.mlp, "act", None), nn.GELU)
+        or getattr(block.mlp.act, "approximate", "none") != "none",
+        "a norm other than LayerNorm": not isinstance(
+            m.fc_norm if isinstance(m.norm, nn.Identity) else m.norm, nn.LayerNorm
+        ),
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(f"{arch} has {', '.join(bad)}, which mmformer's ViT does not implement")
+    size = tuple(m.patch_embed.img_size)
+    norm = m.norm if isinstance(m.norm, nn.LayerNorm) else m.fc_norm
+    ls = block.ls1
+    config = {
+        "architecture": arch,
+        "model_args": model_args,
+        "image_size": list(size),
+        "patch_size": int(m.patch_embed.patch_size[0]),
+        "in_chans": int(m.patch_embed.proj.in_channels),
+        "d_model": int(m.embed_dim),
+        "n_layers": len(m.blocks),
+        "n_heads": int(block.attn.num_heads),
+        "mlp_hidden": int(block.mlp.fc1.out_features),
+        "qkv_bias": block.attn.qkv.bias is not None,
+        "layer_scale": 1e-5 if hasattr(ls, "gamma") else None,  # any value: the gammas are loaded
+        "norm_eps": float(norm.eps),
+        "class_token": bool(m.has_class_token),
+        "global_pool": m.global_pool,
+        "fc_norm": not isinstance(m.fc_norm, nn.Identity),
+        "final_norm": not isinstance(m.norm, nn.Identity),
+        "num_classes": num_classes,
+        "mean": list(pcfg.get("mean", (0.5, 0.5, 0.5) if arch.startswith("vit_") else (0.485, 0.456, 0.406))),
+        "std": list(pcfg.get("std", (0.5, 0.5, 0.5) if arch.startswith("vit_") else (0.229, 0.224, 0.225))),
+    }
+    if config["in_chans"] != len(config["mean"]):
+        config["mean"], config["std"] = (
+            config["mean"][:1] * config["in_chans"],
+            config["std"][:1] * config["in_chans"],
+        )
+    return config
+
+
+# ----------------------------------------------------------------------------------------- building
+def build_timm_vit(config: dict) -> MultimodalModel:
+    """An mmformer ViT from :func:`timm_vit_config`'s description (random weights): tokenizer
+    ``image``, and head ``cls`` when ``num_classes > 0``."""
+    tokenizer = ViTPatchTokenizer(
+        config["d_model"],
+        tuple(config["image_size"]),
+        config["patch_size"],
+        config["in_chans"],
+        config["class_token"],
+        tuple(config["mean"]),
+        tuple(config["std"]),
+    )
+    backbone = build_backbone(
+        config["d_model"],
+        config["n_layers"],
+        config["n_heads"],
+        mlp_hidden=config["mlp_hidden"],
+        qkv_bias=config["qkv_bias"],
+        layer_scale=config["layer_scale"],
+        norm_eps=config["norm_eps"],
+        final_norm=config["final_norm"],
+    )
+    heads = {}
+    if config["num_classes"]:
+        heads["cls"] = ClassifierHead(
+            config["d_model"],
+            config["num_classes"],
+            pool="cls" if config["global_pool"] == "token" else "mean",
+            num_prefix_tokens=tokenizer.num_prefix_tokens,
+            fc_norm=config["fc_norm"],
+            norm_eps=config["norm_eps"],
+        )
+    return MultimodalModel({"image": tokenizer}, backbone, heads)
+
+
+def timm_to_mmformer(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """timm ViT names → mmformer names (prefixes only)."""
+    out = {}
+    for k, v in state.items():
+        if k.startswith(TOKENIZER_KEYS):
+            out[f"tokenizers.image.{k}"] = v
+        elif k.startswith(HEAD_KEYS):
+            out[f"heads.cls.{k}"] = v
+        else:
+            out[f"backbone.{k}"] = v
+    return out
+
+
+def mmformer_to_timm(model: MultimodalModel, head: str | None = None) -> dict[str, Tensor]:
+    """The inverse of :func:`timm_to_mmformer` for a ViT model (image tokenizer ``image`` or the only
+    one, classifier ``head`` or the only one), as contiguous tensors."""
+    (tok_name,) = [n for n, t in model.tokenizers.items() if isinstance(t, ViTPatchTokenizer)][:1] or [None]
+    if tok_name is None:
+        raise ValueError("the model has no ViT image tokenizer to export")
+    heads = [n for n, h in model.heads.items() if isinstance(h, ClassifierHead)]
+    head = head or (heads[0] if len(heads) == 1 else None)
+    out = {}
+    for k, v in model.state_dict().items():
+        if k.startswith(f"tokenizers.{tok_name}."):
+            out[k.removeprefix(f"tokenizers.{tok_name}.")] = v
+        elif k.startswith("backbone."):
+            out[k.removeprefix("backbone.")] = v
+        elif head is not None and k.startswith(f"heads.{head}."):
+            out[k.removeprefix(f"heads.{head}.")] = v
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------------------- adapting
+def _grid(image_size, patch_size: int) -> tuple[int, int]:
+    h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+    if h % patch_size or w % patch_size:
+        raise ValueError(f"image size {h}×{w} is not divisible by the patch size {patch_size}")
+    return h // patch_size, w // patch_size
+
+
+def adapt_state_dict(
+    state: dict[str, Tensor],
+    config: dict,
+    report: LoadReport,
+    image_size: int | tuple[int, int] | None = None,
+    in_chans: int | None = None,
+    num_classes: int | None = None,
+) -> tuple[dict[str, Tensor], dict]:
+    """``(state, config)`` for a new image size (position embeddings resampled, non-square allowed),
+    input channels (patch embedding adapted) and number of classes (classifier dropped, so the new
+    one starts from its initialisation; ``0`` drops the classifier). Unchanged when all are None or
+    equal to the checkpoint's. Records every change in ``report``."""
+    from timm.layers import resample_abs_pos_embed
+    from timm.models import adapt_input_conv
+
+    state, config = dict(state), dict(config)
+    if image_size is not None:
+        new = list(_grid(image_size, config["patch_size"]))
+        old = list(_grid(tuple(config["image_size"]), config["patch_size"]))
+        if new != old:
+            prefix = 1 if config["class_token"] else 0
+            before = state["pos_embed"]
+            state["pos_embed"] = resample_abs_pos_embed(before, new, old, num_prefix_tokens=prefix)
+            how = f"bicubic from a {old[0]}×{old[1]} to a {new[0]}×{new[1]} patch grid, class token kept"
+            report.resized.append(("pos_embed", tuple(before.shape), tuple(state["pos_embed"].shape), how))
+        size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        config["image_size"] = list(size)
+    if in_chans is not None and in_chans != config["in_chans"]:
+        before = state["patch_embed.proj.weight"]
+        state["patch_embed.proj.weight"] = adapt_input_conv(in_chans, before)
+        how = "summed over RGB" if in_chans == 1 else "RGB repeated and rescaled"
+        report.resized.append(
+            (
+                "patch_embed.proj.weight",
+                tuple(before.shape),
+                tuple(state["patch_embed.proj.weight"].shape),
+                how,
+            )
+        )
+        config["in_chans"] = in_chans
+        mean, std = config["mean"], config["std"]
+        if in_chans == 1:  # grayscale: the channel mean of the RGB statistics
+            config["mean"], config["std"] = [sum(mean) / len(mean)], [sum(std) / len(std)]
+        else:
+            config["mean"] = [mean[i % len(mean)] for i in range(in_chans)]
+            config["std"] = [std[i % len(std)] for i in range(in_chans)]
+    if num_classes is not None and num_classes != config["num_classes"]:
+        for k in ("head.weight", "head.bias"):
+            if k in state:
+                report.ignored.append(f"{k} {list(state.pop(k).shape)} (replaced: {num_classes} classes)")
+        config["num_classes"] = num_classes
+    return state, config
+
+
+def load_timm_vit(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    image_size: int | tuple[int, int] | None = None,
+    in_chans: int | None = None,
+    num_classes: int | None = None,
+) -> tuple[MultimodalModel, dict, LoadReport]:
+    """``(model, config, report)`` for a timm ViT source (see the module docstring), adapted with
+    :func:`adapt_state_dict`. ``model(pixels, "image", "cls")`` equals timm's forward.
+
+    Raises ``FileNotFoundError`` / ``ValueError`` (unknown architecture, unsupported feature, weights
+    whose names or shapes do not fit it)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{str(path)!r} does not exist")
+    timm_cfg, state = _read_source(path)
+    config = timm_vit_config(timm_cfg, state)
+    report = LoadReport(str(path))
+    state, config = adapt_state_dict(state, config, report, image_size, in_chans, num_classes)
+    model = build_timm_vit(config)
+    mapped = timm_to_mmformer(state)
+    own = model.state_dict()
+    usable = {}
+    for k, v in mapped.items():
+        if k not in own:
+            report.ignored.append(k.split(".", 2)[-1] if k.startswith("tokenizers.") else k.split(".", 1)[1])
+        elif own[k].shape != v.shape:
+            raise ValueError(
+                f"{path}: {k} has shape {list(v.shape)} but {config['architecture']} expects {list(own[k].shape)}"
+            )
+        else:
+            usable[k] = v
+    missing = [k for k in own if k not in usable]
+    absent = [k for k in missing if not k.startswith("heads.")]
+    if absent:
+        raise ValueError(f"{path} lacks {', '.join(absent[:5])}{' …' if len(absent) > 5 else ''}")
+    model.load_state_dict(usable, strict=False)
+    report.loaded = sorted(usable)
+    report.new = missing
+    return model.to(dtype), config, report
+
+
+def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, head: str | None = None) -> Path:
+    """Write ``model`` in timm's Hugging Face layout (``model.safetensors`` + ``config.json`` whose
+    ``model_args`` rebuild exactly this architecture): ``timm.create_model("local-dir:OUT")`` loads it.
+    ``config`` is :func:`timm_vit_config`'s description (or :func:`vit_config` of an mmformer model)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = mmformer_to_timm(model, head)
+    num_classes = int(state["head.weight"].shape[0]) if "head.weight" in state else 0
+    h, w = config["image_size"]
+    model_args = {
+        **config.get("model_args", {}),
+        "img_size": [h, w] if h != w else h,
+        "patch_size": config["patch_size"],
+        "in_chans": config["in_chans"],
+        "embed_dim": config["d_model"],
+        "depth": config["n_layers"],
+        "num_heads": config["n_heads"],
+        "mlp_ratio": config["mlp_hidden"] / config["d_model"],
+        "qkv_bias": config["qkv_bias"],
+        "class_token": config["class_token"],
+        "global_pool": config["global_pool"],
+        "fc_norm": config["fc_norm"],
+    }
+    if config.get("layer_scale") is not None:
+        model_args["init_values"] = config["layer_scale"]
+    arch = config.get("architecture") or "vit_base_patch16_224"
+    timm_cfg = {
+        "architecture": arch,
+        "num_classes": num_classes,
+        "num_features": config["d_model"],
+        "global_pool": config["global_pool"],
+        "model_args": model_args,
+        "pretrained_cfg": {
+            "input_size": [config["in_chans"], h, w],
+            "fixed_input_size": True,
+            "interpolation": "bicubic",
+            "mean": list(config["mean"]),
+            "std": list(config["std"]),
+            "num_classes": num_classes,
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+        },
+    }
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(timm_cfg, indent=2) + "\n")
+    return out
+
+
+def vit_config(model: MultimodalModel, head: str | None = None) -> dict:
+    """The :func:`timm_vit_config`-style description of an mmformer ViT (e.g. one trained from scratch),
+    for :func:`save_timm_vit`. Raises ``ValueError`` for a model that is not a plain ViT."""
+    toks = [t for t in model.tokenizers.values() if isinstance(t, ViTPatchTokenizer)]
+    if len(toks) != 1:
+        raise ValueError("export to timm needs exactly one ViT image tokenizer")
+    tok, bb = toks[0], model.backbone
+    block = bb.blocks[0]
+    heads = [
+        h for n, h in model.heads.items() if isinstance(h, ClassifierHead) and (head is None or n == head)
+    ]
+    cls = heads[0] if len(heads) == 1 else None
+    norm = bb.norm if isinstance(bb.norm, nn.LayerNorm) else (cls.fc_norm if cls is not None else None)
+    ls = getattr(block, "ls1", None)
+    return {
+        "architecture": "vit_base_patch16_224",
+        "model_args": {},
+        "image_size": list(tok.patch_embed.image_size),
+        "patch_size": tok.patch_embed.patch_size,
+        "in_chans": tok.in_chans,
+        "d_model": bb.d_model,
+        "n_layers": len(bb.blocks),
+        "n_heads": block.attn.n_heads,
+        "mlp_hidden": block.mlp.fc1.out_features,
+        "qkv_bias": block.attn.qkv.bias is not None,
+        "layer_scale": float(ls.gamma.detach().mean()) if hasattr(ls, "gamma") else None,
+        "norm_eps": norm.eps if norm is not None else 1e-6,
+        "class_token": tok.cls_token is not None,
+        "global_pool": "token" if cls is None or cls.pool == "cls" else "avg",
+        "fc_norm": cls is not None and not isinstance(cls.fc_norm, nn.Identity),
+        "final_norm": not isinstance(bb.norm, nn.Identity),
+        "num_classes": cls.head.out_features if cls is not None else 0,
+        "mean": list(tok.mean),
+        "std": list(tok.std),
+    }
+
+
+def adapt_tokenizer(
+    tokenizer: ViTPatchTokenizer,
+    config: dict,
+    report: LoadReport,
+    image_size: int | tuple[int, int] | None = None,
+    in_chans: int | None = None,
+) -> tuple[ViTPatchTokenizer, dict]:
+    """A loaded ViT tokenizer at another image size and/or number of input channels (see
+    :func:`adapt_state_dict`), with the updated description; unchanged when neither differs."""
+    state, new = adapt_state_dict(tokenizer.state_dict(), config, report, image_size, in_chans)
+    if (new["image_size"], new["in_chans"]) == (list(config["image_size"]), config["in_chans"]):
+        return tokenizer, config
+    out = ViTPatchTokenizer(
+        new["d_model"],
+        tuple(new["image_size"]),
+        new["patch_size"],
+        new["in_chans"],
+        new["class_token"],
+        tuple(new["mean"]),
+        tuple(new["std"]),
+    ).to(tokenizer.pos_embed.dtype)
+    out.load_state_dict(state)
+    return out, new
+
+
+def adapt_classifier(
+    head: ClassifierHead, num_classes: int, report: LoadReport, name: str = "cls"
+) -> ClassifierHead:
+    """The loaded classifier, or a copy with a new zero-initialised projection for ``num_classes``
+    (its pooling and ``fc_norm`` kept)."""
+    old = head.head.out_features
+    if num_classes == old:
+        return head
+    pool = "cls" if head.pool == "cls" else "mean"
+    fc_norm = not isinstance(head.fc_norm, nn.Identity)
+    eps = head.fc_norm.eps if fc_norm else 1e-6
+    out = ClassifierHead(
+        head.head.in_features, num_classes, pool, head.num_prefix_tokens, fc_norm, norm_eps=eps
+    )
+    if fc_norm:
+        out.fc_norm.load_state_dict(head.fc_norm.state_dict())
+    report.ignored.append(f"head.weight [{old}, {head.head.in_features}] (replaced: {num_classes} classes)")
+    report.new += [f"heads.{name}.head.weight", f"heads.{name}.head.bias"]
+    return out.to(head.head.weight.dtype)

@@ -1,0 +1,139 @@
+"""timm ViT checkpoints into mmformer and back, checked against timm itself: the same file loaded by
+timm (``pretrained_cfg_overlay=dict(file=…)`` / ``local-dir:``) and by mmformer gives the same logits,
+including timm's own position-embedding resampling, input-channel adaptation and new heads."""
+
+import pytest
+import torch
+
+timm = pytest.importorskip("timm")
+
+from mmformer.models import ClassifierHead, MultimodalModel, build_backbone  # noqa: E402
+from mmformer.models.pretrained.timm_vit import load_timm_vit, save_timm_vit, vit_config  # noqa: E402
+from mmformer.tokenizers import ViTPatchTokenizer  # noqa: E402
+
+SMALL = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3)
+
+
+def _randomise(model, seed=0):
+    torch.manual_seed(seed)
+    for p in model.parameters():  # timm zero-inits heads and layer scales: randomise everything
+        torch.nn.init.normal_(p, std=0.05)
+    return model.eval()
+
+
+def _timm_dir(tmp_path, name="vit", **model_args):
+    """A checkpoint directory written by timm's own HF exporter (config.json) and safetensors."""
+    from safetensors.torch import save_file
+    from timm.models._hub import save_config_for_hf
+
+    args = {**SMALL, **model_args}
+    ref = _randomise(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, **args))
+    out = tmp_path / name
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(out / "model.safetensors"))
+    save_config_for_hf(ref, str(out / "config.json"), model_args=args)
+    return ref, out
+
+
+def _pixels(h=32, w=32, c=3, n=3):
+    return torch.randn(n, c, h, w, generator=torch.Generator().manual_seed(1))
+
+
+def _close(ours, ref, x):
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, "image", "cls"), ref(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "model_args",
+    [
+        {},
+        {"global_pool": "avg"},
+        {"init_values": 0.1, "qkv_bias": False},
+        {"class_token": False, "global_pool": "avg"},
+    ],
+    ids=["token", "avg_fc_norm", "layer_scale_no_qkv_bias", "no_class_token"],
+)
+def test_timm_directory_loads_with_logit_parity(tmp_path, model_args):
+    ref, src = _timm_dir(tmp_path, **model_args)
+    ours, config, report = load_timm_vit(src)
+    _close(ours, ref, _pixels())
+    assert report.new == [] and report.ignored == [] and report.resized == []
+    assert config["n_heads"] == 3 and config["num_classes"] == 5
+    assert config["mean"] == [0.5, 0.5, 0.5]  # the augreg ViTs' normalisation, from timm's config.json
+
+
+def test_timm_file_named_after_its_architecture_loads(tmp_path):
+    ref = _randomise(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=4))
+    wrapped = {"state_dict": {f"module.{k}": v for k, v in ref.state_dict().items()}}  # a DDP training file
+    path = tmp_path / "vit_tiny_patch16_224.mine.pth"
+    torch.save(wrapped, path)
+    ours, config, _ = load_timm_vit(path)
+    assert (config["d_model"], config["n_layers"], config["n_heads"]) == (192, 12, 3)
+    _close(ours, ref, _pixels(224, 224, n=2))
+
+
+@pytest.mark.parametrize("size", [48, (32, 48)], ids=["square", "non_square"])
+def test_new_image_size_resamples_like_timm(tmp_path, size):
+    _, src = _timm_dir(tmp_path)
+    ref = timm.create_model(f"local-dir:{src}", pretrained=True, img_size=size).eval()
+    ours, _, report = load_timm_vit(src, image_size=size)
+    h, w = (size, size) if isinstance(size, int) else size
+    _close(ours, ref, _pixels(h, w))
+    ((name, old, new, how),) = report.resized
+    assert name == "pos_embed" and old == (1, 17, 48) and new == (1, 1 + (h // 8) * (w // 8), 48)
+    assert "class token kept" in how and "pos_embed" in str(report)
+
+
+def test_grayscale_input_adapts_the_patch_embedding_like_timm(tmp_path):
+    _, src = _timm_dir(tmp_path)
+    ref = timm.create_model(f"local-dir:{src}", pretrained=True, in_chans=1).eval()
+    ours, config, report = load_timm_vit(src, in_chans=1)
+    _close(ours, ref, _pixels(c=1))
+    assert config["in_chans"] == 1 and len(config["mean"]) == 1
+    assert report.resized[0][:3] == ("patch_embed.proj.weight", (48, 3, 8, 8), (48, 1, 8, 8))
+
+
+def test_new_head_is_reported_and_the_rest_matches(tmp_path):
+    ref, src = _timm_dir(tmp_path)
+    ours, _, report = load_timm_vit(src, num_classes=7)
+    assert sorted(report.new) == ["heads.cls.head.bias", "heads.cls.head.weight"]
+    assert any(i.startswith("head.weight [5, 48]") for i in report.ignored)
+    assert torch.count_nonzero(ours.heads["cls"].head.weight) == 0  # a fresh (zero-initialised) head
+    ref.reset_classifier(7)
+    with torch.no_grad():
+        ours.heads["cls"].head.weight.copy_(ref.head.weight)
+        ours.heads["cls"].head.bias.copy_(ref.head.bias)
+    _close(ours, ref.eval(), _pixels())
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_export_to_timm_layout_loads_in_timm(tmp_path, pool):
+    torch.manual_seed(0)
+    avg = pool == "mean"
+    ours = MultimodalModel(
+        {"image": ViTPatchTokenizer(48, (32, 24), 8, 1, mean=(0.5,), std=(0.25,))},
+        build_backbone(48, 2, 3, final_norm=not avg),
+        {"cls": ClassifierHead(48, 6, pool=pool, fc_norm=avg)},
+    )
+    _randomise(ours)
+    out = save_timm_vit(ours, vit_config(ours), tmp_path / "export")
+    ref = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    _close(ours, ref, _pixels(32, 24, c=1))
+    assert tuple(ref.pretrained_cfg["mean"]) == (0.5,) and tuple(ref.pretrained_cfg["std"]) == (0.25,)
+    back, _, _ = load_timm_vit(out)
+    _close(back, ref, _pixels(32, 24, c=1))
+
+
+def test_unsupported_checkpoints_are_named(tmp_path):
+    with pytest.raises(ValueError, match="name the file after it"):
+        (tmp_path / "weights.safetensors").write_bytes(b"")
+        load_timm_vit(tmp_path / "weights.safetensors")
+    _, src = _timm_dir(tmp_path, reg_tokens=2)
+    with pytest.raises(ValueError, match="register tokens"):
+        load_timm_vit(src)
+    _, src = _timm_dir(tmp_path, name="qk", qk_norm=True)
+    with pytest.raises(ValueError, match="QK-norm"):
+        load_timm_vit(src)
+    with pytest.raises(FileNotFoundError):
+        load_timm_vit(tmp_path / "nope")

@@ -1,0 +1,98 @@
+"""Fine-tuning a timm ViT checkpoint from a recipe: position embeddings resampled to the data's image
+size, the patch embedding adapted to grayscale, a new classifier, layer-wise LR decay and a frozen
+first epoch; then the fine-tuned model exported back to timm's layout, which timm loads."""
+
+import pytest
+import torch
+
+from mmformer.cli import main
+from tests.conftest import make_image_folder
+
+timm = pytest.importorskip("timm")
+
+RECIPE = """\
+name: timm_ft
+model:
+  tokenizers: {{image: {{kind: pretrained, source: {src}, image_size: 16, in_chans: 1}}}}
+  backbone: {{kind: pretrained, source: {src}}}
+  heads: {{cls: {{kind: pretrained, source: {src}, num_classes: 2}}}}
+tasks:
+  toy:
+    kind: classification
+    tokenizer: image
+    head: cls
+    data: {{kind: image_folder, root: {root}, batch_size: 4, num_workers: 0}}
+optim: {{lr: 1e-2, warmup_steps: 0, layer_decay: 0.75, freeze_pretrained_epochs: 1}}
+trainer: {{max_epochs: {epochs}, accelerator: cpu, devices: 1, log_every_n_steps: 1,
+          enable_progress_bar: false, num_sanity_val_steps: 0}}
+logger: {{mode: disabled}}
+"""
+
+
+@pytest.fixture
+def timm_source(workdir):
+    from safetensors.torch import save_file
+    from timm.models._hub import save_config_for_hf
+
+    args = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3)
+    torch.manual_seed(0)
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, **args).eval()
+    out = workdir / "timm_vit"
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(out / "model.safetensors"))
+    save_config_for_hf(ref, str(out / "config.json"), model_args=args)
+    return out
+
+
+def _train(workdir, src, epochs, capsys):
+    root = make_image_folder(workdir / "imgs", n_per_class=4, size=16)
+    recipe = workdir / f"ft{epochs}.yaml"
+    recipe.write_text(RECIPE.format(src=src, root=root, epochs=epochs))
+    assert main(["train", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    run = out.split("run folder: ")[1].split()[0]
+    ckpt = sorted((workdir / run / "checkpoints").glob("last*.ckpt"))[0]
+    return ckpt, out
+
+
+def test_timm_checkpoint_fine_tunes_with_a_frozen_first_epoch_and_exports(workdir, timm_source, capsys):
+    from safetensors.torch import load_file
+
+    source = load_file(str(timm_source / "model.safetensors"))
+    ckpt, out = _train(workdir, timm_source, 1, capsys)
+    assert "resized  pos_embed: [1, 17, 48] → [1, 5, 48]" in out  # 4×4 grid → 2×2 grid, class token kept
+    assert "resized  patch_embed.proj.weight: [48, 3, 8, 8] → [48, 1, 8, 8]" in out
+    assert "new      heads.cls.head.weight" in out and "ignored  head.weight [5, 48]" in out
+    sd = torch.load(ckpt, weights_only=True)["state_dict"]
+    block = "blocks.1.mlp.fc2.weight"
+    assert torch.equal(sd[f"model.backbone.{block}"], source[block])  # frozen in epoch 0
+    assert torch.count_nonzero(sd["model.heads.cls.head.weight"]) > 0  # the new head trained
+
+    ckpt, _ = _train(workdir, timm_source, 2, capsys)
+    sd = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert not torch.equal(sd[f"model.backbone.{block}"], source[block])  # unfrozen in epoch 1
+
+    export = workdir / "export"
+    assert main(["export", str(ckpt), str(export)]) == 0
+    assert "local-dir" in capsys.readouterr().out
+    ref = timm.create_model(f"local-dir:{export}", pretrained=True).eval()
+    assert ref.patch_embed.proj.in_channels == 1 and ref.num_classes == 2
+    from mmformer.evaluation import load_checkpoint
+
+    loaded, _ = load_checkpoint(ckpt, "classification")
+    pixels = torch.randint(0, 256, (3, 1, 16, 16), dtype=torch.uint8)
+    mean, std = ref.pretrained_cfg["mean"][0] * 255, ref.pretrained_cfg["std"][0] * 255
+    with torch.no_grad():
+        ours = loaded.model(pixels, "image", "cls")
+        theirs = ref((pixels.float() - mean) / std)  # timm's own normalisation from its config
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_recipe_mistakes_with_pretrained_images_are_named(workdir, timm_source, capsys):
+    root = make_image_folder(workdir / "imgs", n_per_class=2, size=16)
+    recipe = workdir / "bad.yaml"
+    recipe.write_text(
+        RECIPE.format(src=timm_source, root=root, epochs=1).replace("image_size: 16", "image_size: 20")
+    )
+    assert main(["train", str(recipe)]) == 2
+    assert "not divisible by" in capsys.readouterr().err
