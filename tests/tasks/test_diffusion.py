@@ -32,14 +32,14 @@ tasks:
 optim: {{lr: 1e-3, warmup_steps: 1, ema_decay: 0.5}}
 trainer: {{max_steps: 4, accelerator: cpu, devices: 1, log_every_n_steps: 1, enable_progress_bar: false,
           num_sanity_val_steps: 0}}
-logger: {{mode: disabled}}
+logger: {{mode: {logger}}}
 """
 
 
-def _train(workdir, capsys, objective="gaussian", learn_sigma="false"):
+def _train(workdir, capsys, objective="gaussian", learn_sigma="false", logger="disabled"):
     root = make_image_folder(workdir / "imgs", n_per_class=4)
     recipe = workdir / "dit.yaml"
-    recipe.write_text(RECIPE.format(root=root, objective=objective, learn_sigma=learn_sigma))
+    recipe.write_text(RECIPE.format(root=root, objective=objective, learn_sigma=learn_sigma, logger=logger))
     assert main(["train", str(recipe)]) == 0
     out = capsys.readouterr().out
     run = next((workdir / "runs" / "tinydit").glob("*"))
@@ -47,7 +47,12 @@ def _train(workdir, capsys, objective="gaussian", learn_sigma="false"):
 
 
 def test_trains_checkpoints_ema_weights_and_writes_sample_grids(workdir, capsys):
-    _, run, out = _train(workdir, capsys)
+    from tests.wandb_records import read_records
+
+    _, run, out = _train(workdir, capsys, logger="offline")
+    records = read_records(next(run.glob("wandb/offline-run-*/*.wandb")))
+    keys = {"/".join(i.nested_key) or i.key for r in records if r.HasField("history") for i in r.history.item}
+    assert "samples/toy/_type" in keys  # the grid reached W&B
     loss = float(next(ln.split()[1] for ln in out.splitlines() if ln.startswith("val/toy/loss")))
     assert "val/toy/loss_uncond" in out  # the same loss with the class dropped
     grids = sorted((run / "samples").glob("toy-step*.png"))
@@ -220,7 +225,7 @@ def test_validation_reports_the_unconditional_loss_on_the_same_noise():
     from mmformer.build import build_module
     from mmformer.config import recipe_from_yaml
 
-    recipe = RECIPE.format(root="unused", objective="gaussian", learn_sigma="false")
+    recipe = RECIPE.format(root="unused", objective="gaussian", learn_sigma="false", logger="disabled")
     module = build_module(recipe_from_yaml(recipe))
     model, task = module.model, module.tasks["toy"]
     for layer in (model.heads["eps"].linear, model.heads["eps"].adaLN_modulation[-1]):
