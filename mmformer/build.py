@@ -62,7 +62,7 @@ from .models.pretrained import (
     pretrained_family,
     resolve_pretrained,
 )
-from .models.pretrained.timm_vit import LoadReport, adapt_classifier, adapt_tokenizer
+from .models.pretrained.timm_vit import LoadReport, adapt_classifier, adapt_tokenizer, describe_timm_vit
 from .nn.lora import apply_lora
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
@@ -223,7 +223,7 @@ def build_diffusion(cfg: DiffusionTaskConfig, recipe: RecipeConfig) -> Diffusion
         sample_steps=cfg.sample_steps,
         samples_per_class=cfg.samples_per_class,
         caption_tokenizer=cfg.caption_tokenizer,
-        conditional=bool(tok.num_classes or tok.text_conditional),
+        conditional=bool(tok.num_classes or tok.text_conditional) and tok.class_dropout > 0,
     )
 
 
@@ -425,7 +425,7 @@ def build_classification(cfg: ClassificationTaskConfig, recipe: RecipeConfig) ->
     key = tokenizer_modality(recipe.model.tokenizers[cfg.tokenizer])
     num_classes = _num_classes(cfg, recipe)
     if num_classes is None:
-        raise RecipeError(f"tasks.{cfg.head}: the classification head {cfg.head!r} has no num_classes")
+        raise RecipeError(f"the classification head {cfg.head!r} has no num_classes")
     return ClassificationTask(cfg.tokenizer, cfg.head, num_classes, key, cfg.label_smoothing)
 
 
@@ -457,9 +457,11 @@ def _source_config(source: str) -> dict:
     pinned = _PINNED_PRETRAINED.get(source)
     if pinned:
         return pinned["config"]
-    key = str(resolve_pretrained(source).resolve())
-    if key not in _SOURCE_CONFIGS:
-        _SOURCE_CONFIGS[key] = _pretrained(source).config
+    path = resolve_pretrained(source).resolve()
+    key = str(path)
+    if key not in _SOURCE_CONFIGS:  # a timm ViT is described from its config and file header alone
+        timm = pretrained_family(source) == "timm_vit"
+        _SOURCE_CONFIGS[key] = describe_timm_vit(path) if timm else _pretrained(source).config
     return _SOURCE_CONFIGS[key]
 
 
@@ -584,7 +586,9 @@ def build_model(
             heads[name] = lookup("head", cfg.kind).builder(cfg, d, tokenizer)
         loaded = {p.source: {"family": p.family, "config": p.config} for p in _BUILD_SESSION.values()}
         for p in _BUILD_SESSION.values():
-            if p.report is not None and (p.report.loaded or p.report.resized):
+            if (
+                p.report is not None and p.report.loaded
+            ):  # read from the source (not rebuilt from a checkpoint)
                 print(p.report)
     finally:
         _BUILD_SESSION = None
@@ -682,13 +686,10 @@ def _pretrained_parts(recipe: RecipeConfig):
         raise RecipeError(
             "optim.freeze_pretrained_epochs freezes parts of kind pretrained; this model has none"
         )
-    if (
-        recipe.trainer.strategy.startswith("ddp")
-        and "find_unused_parameters_true" not in recipe.trainer.strategy
-    ):
+    if recipe.trainer.strategy not in ("auto", "ddp", "ddp_find_unused_parameters_true"):
         raise RecipeError(
-            "optim.freeze_pretrained_epochs leaves frozen parameters without gradients, which DDP must be "
-            "told about: set trainer.strategy: ddp_find_unused_parameters_true"
+            f"optim.freeze_pretrained_epochs works with DDP or one device, not trainer.strategy="
+            f"{recipe.trainer.strategy!r}"
         )
 
     def parts(pl_module):
@@ -727,10 +728,14 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
     )
     t = recipe.trainer
+    strategy = t.strategy
+    if freeze and (t.devices not in (1, "1") or t.num_nodes > 1) and strategy in ("auto", "ddp"):
+        # frozen parameters get no gradient: DDP must be told, or it waits for them forever
+        strategy = "ddp_find_unused_parameters_true"
     return L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
-        strategy=t.strategy,
+        strategy=strategy,
         num_nodes=t.num_nodes,
         precision=t.precision,
         max_epochs=t.max_epochs,

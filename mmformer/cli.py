@@ -374,9 +374,11 @@ def cmd_sample(args) -> int:
 def _export_timm(args) -> int:
     from .evaluation import load_checkpoint
     from .models.pretrained.timm_vit import save_timm_vit, vit_config
+    from .nn.lora import merge_lora
 
     loaded, task = load_checkpoint(args.checkpoint, "classification")
     head = loaded.module.tasks[task].head
+    merge_lora(loaded.model)
     try:
         config = vit_config(loaded.model, head)
     except ValueError as e:

@@ -100,7 +100,7 @@ def build_mnist5k(out: Path) -> None:
 
 def build_digits(out: Path) -> None:
     """The 1,797 real 8×8 handwritten digits of the UCI "optical recognition of handwritten digits" test
-    set (43 writers, 4-bit intensities 0–16), shipped in scikit-learn as ``datasets/data/digits.csv.gz``
+    set (13 writers, 4-bit intensities 0–16), shipped in scikit-learn as ``datasets/data/digits.csv.gz``
     and read without importing scikit-learn → PNG image folder ``{train,val}/<digit>/<index>.png``
     (intensities scaled to 0–255), 1,437 / 360, stratified (36 val per class), seed 0. Different
     writers, scanner and resolution from MNIST: a transfer target for MNIST-trained models."""

@@ -45,7 +45,8 @@ class DiffusionTask(nn.Module):
     sample_cfg_scale, sample_steps, samples_per_class: the sample grid logged after each validation.
     caption_tokenizer: the text tokenizer entry whose embeddings, mean-pooled over a caption's tokens,
         condition a text-conditional DiT (batches then carry ``caption`` and ``caption_valid``).
-    conditional: the DiT is class- or text-conditional; validation then also reports ``loss_uncond``.
+    conditional: the DiT is class- or text-conditional with a trained null condition (dropout > 0);
+        validation then also reports ``loss_uncond``.
 
     Rectified-flow times t ∈ [0, 1] reach the timestep embedding as ``t · FLOW_TIME_SCALE`` (1000), so
     they spread over the same sinusoid frequencies as the 1,000 integer DDPM steps.

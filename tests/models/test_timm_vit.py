@@ -66,7 +66,7 @@ def test_timm_directory_loads_with_logit_parity(tmp_path, model_args):
 def test_timm_file_named_after_its_architecture_loads(tmp_path):
     ref = _randomise(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=4))
     wrapped = {"state_dict": {f"module.{k}": v for k, v in ref.state_dict().items()}}  # a DDP training file
-    path = tmp_path / "vit_tiny_patch16_224.mine.pth"
+    path = tmp_path / "vit_tiny_patch16_224.augreg_in21k_ft_in1k.pth"
     torch.save(wrapped, path)
     ours, config, _ = load_timm_vit(path)
     assert (config["d_model"], config["n_layers"], config["n_heads"]) == (192, 12, 3)
@@ -97,7 +97,7 @@ def test_grayscale_input_adapts_the_patch_embedding_like_timm(tmp_path):
 def test_new_head_is_reported_and_the_rest_matches(tmp_path):
     ref, src = _timm_dir(tmp_path)
     ours, _, report = load_timm_vit(src, num_classes=7)
-    assert sorted(report.new) == ["heads.cls.head.bias", "heads.cls.head.weight"]
+    assert sorted(report.new) == ["head.bias", "head.weight"]
     assert any(i.startswith("head.weight [5, 48]") for i in report.ignored)
     assert torch.count_nonzero(ours.heads["cls"].head.weight) == 0  # a fresh (zero-initialised) head
     ref.reset_classifier(7)
@@ -137,3 +137,58 @@ def test_unsupported_checkpoints_are_named(tmp_path):
         load_timm_vit(src)
     with pytest.raises(FileNotFoundError):
         load_timm_vit(tmp_path / "nope")
+
+
+def test_gray_checkpoint_adapted_to_rgb_sees_a_replicated_gray_image_alike(tmp_path):
+    _, src = _timm_dir(tmp_path, in_chans=1)
+    gray, _, _ = load_timm_vit(src)
+    rgb, config, report = load_timm_vit(src, in_chans=3)
+    assert config["in_chans"] == 3 and "repeated" in report.resized[0][3]
+    x = _pixels(c=1)
+    with torch.no_grad():
+        torch.testing.assert_close(rgb(x.repeat(1, 3, 1, 1), "image", "cls"), gray(x, "image", "cls"))
+
+
+def test_a_file_takes_its_normalisation_from_timm_by_tag(tmp_path):
+    ref = _randomise(timm.create_model("vit_small_patch16_224", pretrained=False))
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    from safetensors.torch import save_file
+
+    for name, mean in (("vit_small_patch16_224.dino", 0.485), ("vit_small_patch16_224", 0.5)):
+        save_file(sd, str(tmp_path / f"{name}.safetensors"))
+        _, config, _ = load_timm_vit(tmp_path / f"{name}.safetensors")
+        assert config["mean"][0] == pytest.approx(mean), name  # timm's pretrained_cfg for that tag
+    save_file(sd, str(tmp_path / "vit_small_patch16_224.mine.safetensors"))
+    with pytest.raises(ValueError, match="normalisation"):
+        load_timm_vit(tmp_path / "vit_small_patch16_224.mine.safetensors")
+
+
+def test_weights_of_parts_mmformer_lacks_are_refused_not_dropped(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, src = _timm_dir(tmp_path)
+    sd = load_file(str(src / "model.safetensors"))
+    sd["blocks.0.attn.norm.weight"] = torch.ones(48)  # e.g. a BEiT-3 style sub-norm
+    save_file(sd, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match="no place for: blocks.0.attn.norm.weight"):
+        load_timm_vit(src)
+
+
+def test_export_refuses_what_timm_cannot_express(tmp_path):
+    for kwargs, message in (({"block": "post"}, "pre-norm Block"), ({"positions": "rope"}, "positions")):
+        model = MultimodalModel(
+            {"image": ViTPatchTokenizer(48, 32, 8, 3)},
+            build_backbone(48, 2, 3, **kwargs),
+            {"cls": ClassifierHead(48, 2)},
+        )
+        with pytest.raises(ValueError, match=message):
+            vit_config(model)
+    model = MultimodalModel(
+        {"image": ViTPatchTokenizer(48, 32, 8, 3)},
+        build_backbone(48, 2, 3, mlp_hidden=115),  # 115 / 48 is not exact in floating point
+        {"cls": ClassifierHead(48, 2)},
+    )
+    _randomise(model)
+    out = save_timm_vit(model, vit_config(model), tmp_path / "odd")
+    ref = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    _close(model, ref, _pixels())

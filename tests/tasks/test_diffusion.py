@@ -111,18 +111,18 @@ def test_learned_variance_trains(workdir, capsys):
     "overrides, message",
     [
         (["model.tokenizers.image.class_dropout=0"], "needs the null class trained"),
-        (["tasks.digits.objective=flow", "tasks.digits.prediction=v"], "prediction, min_snr_gamma apply to"),
-        (["tasks.digits.t_sampling=logit_normal"], "t_sampling applies to objective: flow"),
-        (["tasks.digits.num_timesteps=20"], "sample_steps=50 exceeds num_timesteps=20"),
-        (["model.backbone.block=pre"], "set model.backbone.block: adaln"),
+        (["tasks.digits.prediction=v", "tasks.digits.min_snr_gamma=5"], "prediction, min_snr_gamma apply to"),
+        (["tasks.digits.objective=gaussian"], "t_sampling applies to objective: flow"),
         (
             [
-                "tasks.digits.objective=flow",
-                "tasks.digits.min_snr_gamma=null",
-                "model.heads.eps.learn_sigma=true",
+                "tasks.digits.objective=gaussian",
+                "tasks.digits.t_sampling=uniform",
+                "tasks.digits.num_timesteps=20",
             ],
-            "learn_sigma is for objective",
+            "sample_steps=50 exceeds num_timesteps=20",
         ),
+        (["model.backbone.block=pre"], "set model.backbone.block: adaln"),
+        (["model.heads.velocity.learn_sigma=true"], "learn_sigma is for objective"),
     ],
 )
 def test_recipe_mistakes_are_named(overrides, message):

@@ -62,7 +62,7 @@ def test_timm_checkpoint_fine_tunes_with_a_frozen_first_epoch_and_exports(workdi
     ckpt, out = _train(workdir, timm_source, 1, capsys)
     assert "resized  pos_embed: [1, 17, 48] → [1, 5, 48]" in out  # 4×4 grid → 2×2 grid, class token kept
     assert "resized  patch_embed.proj.weight: [48, 3, 8, 8] → [48, 1, 8, 8]" in out
-    assert "new      heads.cls.head.weight" in out and "ignored  head.weight [5, 48]" in out
+    assert "new      head.weight" in out and "ignored  head.weight [5, 48]" in out
     sd = torch.load(ckpt, weights_only=True)["state_dict"]
     block = "blocks.1.mlp.fc2.weight"
     assert torch.equal(sd[f"model.backbone.{block}"], source[block])  # frozen in epoch 0

@@ -31,6 +31,7 @@ Checkpoints are read with safetensors or ``torch.load(weights_only=True)``: neve
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,24 +98,60 @@ def is_timm_vit_source(path: str | Path) -> bool:
     return path.suffix in WEIGHT_SUFFIXES
 
 
-def _read_source(path: Path) -> tuple[dict, dict[str, Tensor]]:
-    """``(timm config {architecture, num_classes, model_args, pretrained_cfg}, state dict)``."""
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # timm's PretrainedCfg defaults
+FILE_NAME = re.compile(r"^([a-z0-9_]+?)(?:\.([\w-]+))?$")  # "vit_small_patch16_224.augreg_in21k"
+
+
+def _source(path: Path) -> tuple[dict, Path]:
+    """``(timm config {architecture, num_classes?, model_args, pretrained_cfg with mean/std}, weights
+    file)`` without reading tensors. Normalisation: a directory's ``pretrained_cfg`` (timm's
+    ImageNet defaults where it has none, as ``timm.create_model("local-dir:…")``); a file's tag in
+    timm's registry, or the architecture's default tag when the name has none (as
+    ``timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=dict(file=…))``)."""
     if path.is_dir():
         cfg = json.loads((path / "config.json").read_text())
         if "pretrained_cfg" not in cfg:  # timm's legacy single-dict layout
             cfg = {"architecture": cfg.pop("architecture"), "pretrained_cfg": cfg, **cfg}
+        pcfg = cfg["pretrained_cfg"]
+        pcfg.setdefault("mean", IMAGENET_MEAN)
+        pcfg.setdefault("std", IMAGENET_STD)
         weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
         if weights is None:
             raise FileNotFoundError(f"{str(path)!r} has none of {', '.join(WEIGHT_FILES)}")
-        return cfg, read_state_dict(weights)
-    arch = re.match(r"^((?:vit|deit|deit3)_[a-z0-9_]+?)(?:\.[\w-]+)?$", path.stem)
-    if arch is None:
+        return cfg, weights
+    from timm.models import get_pretrained_cfg, is_model
+
+    name = FILE_NAME.match(path.stem)
+    if name is None or not is_model(name.group(1)):
         raise ValueError(
             f"cannot tell the architecture of {path.name!r}: name the file after it as timm does "
             "(e.g. vit_small_patch16_224.augreg_in21k.safetensors) or put it in a directory with timm's "
-            'config.json ({"architecture": "vit_small_patch16_224", ...})'
+            'config.json ({"architecture": "vit_small_patch16_224", "pretrained_cfg": {"mean": …}})'
         )
-    return {"architecture": arch.group(1), "pretrained_cfg": {}}, read_state_dict(path)
+    try:
+        pcfg = get_pretrained_cfg(path.stem)
+    except RuntimeError:
+        pcfg = None
+    if pcfg is None:
+        raise ValueError(
+            f"timm does not know the tag of {path.name!r}, so its normalisation (mean/std) is unknown: "
+            "rename it to its architecture alone or with a timm tag, or put it in a directory with timm's "
+            'config.json ({"architecture": …, "pretrained_cfg": {"mean": […], "std": […]}})'
+        )
+    pcfg = {"mean": tuple(pcfg.mean), "std": tuple(pcfg.std)}
+    return {"architecture": name.group(1), "pretrained_cfg": pcfg}, path
+
+
+def _head_classes(weights: Path, state: dict[str, Tensor] | None) -> int:
+    """The rows of ``head.weight`` (0 when headless), from the state or the file's header alone."""
+    if state is not None:
+        return int(state["head.weight"].shape[0]) if "head.weight" in state else 0
+    if weights.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as f:
+            return int(f.get_slice("head.weight").get_shape()[0]) if "head.weight" in f.keys() else 0
+    return _head_classes(weights, read_state_dict(weights))
 
 
 def _timm_skeleton(arch: str, model_args: dict, num_classes: int) -> nn.Module:
@@ -134,66 +171,95 @@ def _timm_skeleton(arch: str, model_args: dict, num_classes: int) -> nn.Module:
     return model
 
 
-def timm_vit_config(timm_cfg: dict, state: dict[str, Tensor]) -> dict:
-    """The mmformer description of a timm ViT checkpoint (JSON-able: checkpoints carry it).
-    Raises ``ValueError`` for a feature mmformer's ViT does not have (register tokens, QK-norm,
-    pre-norm, attention pooling, no-embed-class) or weights that do not fit the architecture."""
-    arch = timm_cfg["architecture"]
-    pcfg = timm_cfg.get("pretrained_cfg", {})
-    model_args = {k: v for k, v in timm_cfg.get("model_args", {}).items() if k != "num_classes"}
-    num_classes = int(state["head.weight"].shape[0]) if "head.weight" in state else 0
-    m = _timm_skeleton(arch, model_args, num_classes)
-    block = m.blocks[0]
-    unsupported = {
+def _unsupported(m: nn.Module) -> list[str]:
+    """The features of timm ViT ``m`` that mmformer's ViT does not implement (exact classes only: a
+    subclass of timm's ``Block`` / ``Attention`` / ``Mlp`` changes the math)."""
+    from timm.layers import GELU, LayerNorm, Mlp, PatchEmbed
+    from timm.models.vision_transformer import Attention, Block
+
+    blocks = list(m.blocks)
+    norms = [n for n in (m.norm, m.fc_norm) if not isinstance(n, nn.Identity)]
+
+    def exact_gelu(act) -> bool:
+        return type(act) in (nn.GELU, GELU) and getattr(act, "approximate", "none") == "none"
+
+    checks = {
+        "blocks other than timm's pre-norm Block": any(type(b) is not Block for b in blocks),
+        "an attention other than timm's Attention (or QK-norm)": any(
+            type(b.attn) is not Attention
+            or not isinstance(b.attn.q_norm, nn.Identity)
+            or not isinstance(getattr(b.attn, "norm", nn.Identity()), nn.Identity)
+            for b in blocks
+        ),
+        "an MLP other than Linear-GELU-Linear": any(
+            type(b.mlp) is not Mlp
+            or not exact_gelu(b.mlp.act)
+            or not isinstance(getattr(b.mlp, "norm", nn.Identity()), nn.Identity)
+            for b in blocks
+        ),
+        "a patch embedding other than one conv": type(m.patch_embed) is not PatchEmbed
+        or not isinstance(m.patch_embed.norm, nn.Identity),
         "register tokens": getattr(m, "num_reg_tokens", 0) > 0,
         "no_embed_class": getattr(m, "no_embed_class", False),
-        "QK-norm": not isinstance(block.attn.q_norm, nn.Identity),
+        "no position embedding": getattr(m, "pos_embed", None) is None,
         "a pre-norm (CLIP-style norm_pre)": not isinstance(m.norm_pre, nn.Identity),
         f"global_pool={m.global_pool!r}": m.global_pool not in ("token", "avg"),
-        "an MLP other than Linear-GELU-Linear": not isinstance(getattr(block.mlp, "act", None), nn.GELU)
-        or getattr(block.mlp.act, "approximate", "none") != "none",
-        "a norm other than LayerNorm": not isinstance(
-            m.fc_norm if isinstance(m.norm, nn.Identity) else m.norm, nn.LayerNorm
-        ),
+        "pooling over prefix tokens": getattr(m, "pool_include_prefix", False),
+        "a norm other than LayerNorm": any(type(n) not in (nn.LayerNorm, LayerNorm) for n in norms)
+        or any(type(n) not in (nn.LayerNorm, LayerNorm) for b in blocks for n in (b.norm1, b.norm2)),
     }
-    bad = [k for k, v in unsupported.items() if v]
+    return [k for k, v in checks.items() if v]
+
+
+def _describe(timm_cfg: dict, num_classes: int) -> dict:
+    arch = timm_cfg["architecture"]
+    pcfg = timm_cfg["pretrained_cfg"]
+    model_args = {k: v for k, v in timm_cfg.get("model_args", {}).items() if k != "num_classes"}
+    m = _timm_skeleton(arch, model_args, num_classes)
+    bad = _unsupported(m)
     if bad:
         raise ValueError(f"{arch} has {', '.join(bad)}, which mmformer's ViT does not implement")
-    size = tuple(m.patch_embed.img_size)
-    norm = m.norm if isinstance(m.norm, nn.LayerNorm) else m.fc_norm
-    ls = block.ls1
-    config = {
+    block = m.blocks[0]
+    norm = next((n for n in (m.norm, m.fc_norm) if isinstance(n, nn.LayerNorm)), block.norm1)
+    in_chans = int(m.patch_embed.proj.in_channels)
+    mean, std = list(pcfg["mean"]), list(pcfg["std"])
+    if len(mean) != in_chans:  # e.g. a grayscale export of an RGB architecture: the channel mean
+        mean, std = [sum(mean) / len(mean)] * in_chans, [sum(std) / len(std)] * in_chans
+    return {
         "architecture": arch,
         "model_args": model_args,
-        "image_size": list(size),
+        "image_size": list(m.patch_embed.img_size),
         "patch_size": int(m.patch_embed.patch_size[0]),
-        "in_chans": int(m.patch_embed.proj.in_channels),
+        "in_chans": in_chans,
         "d_model": int(m.embed_dim),
         "n_layers": len(m.blocks),
         "n_heads": int(block.attn.num_heads),
         "mlp_hidden": int(block.mlp.fc1.out_features),
         "qkv_bias": block.attn.qkv.bias is not None,
-        "layer_scale": 1e-5 if hasattr(ls, "gamma") else None,  # any value: the gammas are loaded
+        "layer_scale": 1e-5 if hasattr(block.ls1, "gamma") else None,  # any value: the gammas are loaded
         "norm_eps": float(norm.eps),
         "class_token": bool(m.has_class_token),
         "global_pool": m.global_pool,
         "fc_norm": not isinstance(m.fc_norm, nn.Identity),
         "final_norm": not isinstance(m.norm, nn.Identity),
         "num_classes": num_classes,
-        "mean": list(pcfg.get("mean", (0.5, 0.5, 0.5) if arch.startswith("vit_") else (0.485, 0.456, 0.406))),
-        "std": list(pcfg.get("std", (0.5, 0.5, 0.5) if arch.startswith("vit_") else (0.229, 0.224, 0.225))),
+        "mean": mean,
+        "std": std,
     }
-    if config["in_chans"] != len(config["mean"]):
-        config["mean"], config["std"] = (
-            config["mean"][:1] * config["in_chans"],
-            config["std"][:1] * config["in_chans"],
-        )
-    return config
+
+
+def describe_timm_vit(path: str | Path) -> dict:
+    """The mmformer description of a timm ViT source (JSON-able: checkpoints carry it), read from its
+    config and the file's header (a ``.safetensors`` file's tensors are not read).
+    Raises ``ValueError`` for a feature mmformer's ViT does not implement (register tokens, QK-norm,
+    pre-norm, other block, attention, MLP or patch-embedding classes, attention pooling, …)."""
+    timm_cfg, weights = _source(Path(path))
+    return _describe(timm_cfg, _head_classes(weights, None))
 
 
 # ----------------------------------------------------------------------------------------- building
 def build_timm_vit(config: dict) -> MultimodalModel:
-    """An mmformer ViT from :func:`timm_vit_config`'s description (random weights): tokenizer
+    """An mmformer ViT from :func:`describe_timm_vit`'s description (random weights): tokenizer
     ``image``, and head ``cls`` when ``num_classes > 0``."""
     tokenizer = ViTPatchTokenizer(
         config["d_model"],
@@ -278,15 +344,16 @@ def adapt_state_dict(
     """``(state, config)`` for a new image size (position embeddings resampled, non-square allowed),
     input channels (patch embedding adapted) and number of classes (classifier dropped, so the new
     one starts from its initialisation; ``0`` drops the classifier). Unchanged when all are None or
-    equal to the checkpoint's. Records every change in ``report``."""
-    from timm.layers import resample_abs_pos_embed
-    from timm.models import adapt_input_conv
-
+    equal to the checkpoint's. Records every change in ``report``. From 3 channels the weights are
+    adapted as timm's ``adapt_input_conv`` (summed for 1); from 1 channel to C they are repeated and
+    divided by C, so a gray image replicated C times gives the same tokens."""
     state, config = dict(state), dict(config)
     if image_size is not None:
         new = list(_grid(image_size, config["patch_size"]))
         old = list(_grid(tuple(config["image_size"]), config["patch_size"]))
         if new != old:
+            from timm.layers import resample_abs_pos_embed
+
             prefix = 1 if config["class_token"] else 0
             before = state["pos_embed"]
             state["pos_embed"] = resample_abs_pos_embed(before, new, old, num_prefix_tokens=prefix)
@@ -296,8 +363,16 @@ def adapt_state_dict(
         config["image_size"] = list(size)
     if in_chans is not None and in_chans != config["in_chans"]:
         before = state["patch_embed.proj.weight"]
-        state["patch_embed.proj.weight"] = adapt_input_conv(in_chans, before)
-        how = "summed over RGB" if in_chans == 1 else "RGB repeated and rescaled"
+        if before.shape[1] == 1:
+            state["patch_embed.proj.weight"] = before.repeat(1, in_chans, 1, 1) / in_chans
+            how = f"gray repeated over {in_chans} channels and divided by {in_chans}"
+        else:
+            from timm.models import adapt_input_conv
+
+            state["patch_embed.proj.weight"] = adapt_input_conv(in_chans, before)
+            how = (
+                "summed over RGB (timm's adapt_input_conv)" if in_chans == 1 else "RGB repeated and rescaled"
+            )
         report.resized.append(
             (
                 "patch_embed.proj.weight",
@@ -336,17 +411,24 @@ def load_timm_vit(
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
-    timm_cfg, state = _read_source(path)
-    config = timm_vit_config(timm_cfg, state)
+    timm_cfg, weights = _source(path)
+    state = read_state_dict(weights)
+    config = _describe(timm_cfg, _head_classes(weights, state))
     report = LoadReport(str(path))
     state, config = adapt_state_dict(state, config, report, image_size, in_chans, num_classes)
     model = build_timm_vit(config)
     mapped = timm_to_mmformer(state)
     own = model.state_dict()
     usable = {}
+    extra = [k for k in mapped if k not in own and not k.startswith("heads.")]
+    if extra:  # weights of a part mmformer's ViT lacks: loading without them would change the math
+        shown = ", ".join(_timm_name(k) for k in extra[:5])
+        raise ValueError(
+            f"{path} has weights mmformer's ViT has no place for: {shown}{' …' if len(extra) > 5 else ''}"
+        )
     for k, v in mapped.items():
         if k not in own:
-            report.ignored.append(k.split(".", 2)[-1] if k.startswith("tokenizers.") else k.split(".", 1)[1])
+            report.ignored.append(_timm_name(k))
         elif own[k].shape != v.shape:
             raise ValueError(
                 f"{path}: {k} has shape {list(v.shape)} but {config['architecture']} expects {list(own[k].shape)}"
@@ -358,15 +440,21 @@ def load_timm_vit(
     if absent:
         raise ValueError(f"{path} lacks {', '.join(absent[:5])}{' …' if len(absent) > 5 else ''}")
     model.load_state_dict(usable, strict=False)
-    report.loaded = sorted(usable)
-    report.new = missing
+    report.loaded = sorted(_timm_name(k) for k in usable)
+    report.new = [_timm_name(k) for k in missing]
     return model.to(dtype), config, report
+
+
+def _timm_name(key: str) -> str:
+    """``tokenizers.image.pos_embed`` → ``pos_embed``, ``backbone.blocks.0…`` → ``blocks.0…``."""
+    parts = key.split(".")
+    return ".".join(parts[2:] if parts[0] in ("tokenizers", "heads") else parts[1:])
 
 
 def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, head: str | None = None) -> Path:
     """Write ``model`` in timm's Hugging Face layout (``model.safetensors`` + ``config.json`` whose
     ``model_args`` rebuild exactly this architecture): ``timm.create_model("local-dir:OUT")`` loads it.
-    ``config`` is :func:`timm_vit_config`'s description (or :func:`vit_config` of an mmformer model)."""
+    ``config`` is :func:`describe_timm_vit`'s description (or :func:`vit_config` of an mmformer model)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -374,6 +462,14 @@ def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, hea
     state = mmformer_to_timm(model, head)
     num_classes = int(state["head.weight"].shape[0]) if "head.weight" in state else 0
     h, w = config["image_size"]
+    if config["final_norm"] and config["fc_norm"]:
+        raise ValueError("timm's ViT has a final norm or an fc_norm, not both")
+    if abs(config["norm_eps"] - 1e-6) > 1e-12:
+        raise ValueError(f"timm's ViT uses LayerNorm eps 1e-6; this model uses {config['norm_eps']}")
+    d, hidden = config["d_model"], config["mlp_hidden"]
+    mlp_ratio = hidden / d
+    while int(d * mlp_ratio) < hidden:  # timm builds int(d · ratio) hidden units: never one short
+        mlp_ratio = math.nextafter(mlp_ratio, math.inf)
     model_args = {
         **config.get("model_args", {}),
         "img_size": [h, w] if h != w else h,
@@ -382,11 +478,12 @@ def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, hea
         "embed_dim": config["d_model"],
         "depth": config["n_layers"],
         "num_heads": config["n_heads"],
-        "mlp_ratio": config["mlp_hidden"] / config["d_model"],
+        "mlp_ratio": mlp_ratio,
         "qkv_bias": config["qkv_bias"],
         "class_token": config["class_token"],
         "global_pool": config["global_pool"],
         "fc_norm": config["fc_norm"],
+        "final_norm": config["final_norm"] or config["fc_norm"],  # timm: which norm follows the blocks
     }
     if config.get("layer_scale") is not None:
         model_args["init_values"] = config["layer_scale"]
@@ -414,13 +511,30 @@ def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, hea
 
 
 def vit_config(model: MultimodalModel, head: str | None = None) -> dict:
-    """The :func:`timm_vit_config`-style description of an mmformer ViT (e.g. one trained from scratch),
+    """The :func:`describe_timm_vit`-style description of an mmformer ViT (e.g. one trained from scratch),
     for :func:`save_timm_vit`. Raises ``ValueError`` for a model that is not a plain ViT."""
     toks = [t for t in model.tokenizers.values() if isinstance(t, ViTPatchTokenizer)]
     if len(toks) != 1:
         raise ValueError("export to timm needs exactly one ViT image tokenizer")
+    from ...nn.blocks import Block
+
     tok, bb = toks[0], model.backbone
     block = bb.blocks[0]
+    mlp_act = getattr(block.mlp, "act", None)
+    checks = {
+        "blocks other than the pre-norm Block": any(type(b) is not Block for b in bb.blocks),
+        "positions other than learned absolute ones": bb.positions != "none",
+        "causal or windowed attention": bb.causal or bb.window is not None,
+        "norms other than LayerNorm": type(block.norm1) is not nn.LayerNorm,
+        "an MLP other than Linear-GELU(erf)-Linear": not isinstance(mlp_act, nn.GELU)
+        or mlp_act.approximate != "none",
+        "QK-norm or grouped key/value heads": not isinstance(block.attn.q_norm, nn.Identity)
+        or block.attn.n_kv_heads != block.attn.n_heads,
+        "unmerged LoRA adapters": type(block.attn.qkv) is not nn.Linear,
+    }
+    bad = [k for k, v in checks.items() if v]
+    if bad:
+        raise ValueError(f"timm's ViT has no {', '.join(bad)}")
     heads = [
         h for n, h in model.heads.items() if isinstance(h, ClassifierHead) and (head is None or n == head)
     ]
@@ -475,9 +589,7 @@ def adapt_tokenizer(
     return out, new
 
 
-def adapt_classifier(
-    head: ClassifierHead, num_classes: int, report: LoadReport, name: str = "cls"
-) -> ClassifierHead:
+def adapt_classifier(head: ClassifierHead, num_classes: int, report: LoadReport) -> ClassifierHead:
     """The loaded classifier, or a copy with a new zero-initialised projection for ``num_classes``
     (its pooling and ``fc_norm`` kept)."""
     old = head.head.out_features
@@ -492,5 +604,5 @@ def adapt_classifier(
     if fc_norm:
         out.fc_norm.load_state_dict(head.fc_norm.state_dict())
     report.ignored.append(f"head.weight [{old}, {head.head.in_features}] (replaced: {num_classes} classes)")
-    report.new += [f"heads.{name}.head.weight", f"heads.{name}.head.bias"]
+    report.new += ["head.weight", "head.bias"]
     return out.to(head.head.weight.dtype)
