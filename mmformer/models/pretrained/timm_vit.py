@@ -258,10 +258,9 @@ def describe_timm_vit(path: str | Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- building
-def build_timm_vit(config: dict) -> MultimodalModel:
-    """An mmformer ViT from :func:`describe_timm_vit`'s description (random weights): tokenizer
-    ``image``, and head ``cls`` when ``num_classes > 0``."""
-    tokenizer = ViTPatchTokenizer(
+def _tokenizer(config: dict) -> ViTPatchTokenizer:
+    """The image tokenizer a description asks for (random weights)."""
+    return ViTPatchTokenizer(
         config["d_model"],
         tuple(config["image_size"]),
         config["patch_size"],
@@ -270,6 +269,12 @@ def build_timm_vit(config: dict) -> MultimodalModel:
         tuple(config["mean"]),
         tuple(config["std"]),
     )
+
+
+def build_timm_vit(config: dict) -> MultimodalModel:
+    """An mmformer ViT from :func:`describe_timm_vit`'s description (random weights): tokenizer
+    ``image``, and head ``cls`` when ``num_classes > 0``."""
+    tokenizer = _tokenizer(config)
     backbone = build_backbone(
         config["d_model"],
         config["n_layers"],
@@ -576,15 +581,7 @@ def adapt_tokenizer(
     state, new = adapt_state_dict(tokenizer.state_dict(), config, report, image_size, in_chans)
     if (new["image_size"], new["in_chans"]) == (list(config["image_size"]), config["in_chans"]):
         return tokenizer, config
-    out = ViTPatchTokenizer(
-        new["d_model"],
-        tuple(new["image_size"]),
-        new["patch_size"],
-        new["in_chans"],
-        new["class_token"],
-        tuple(new["mean"]),
-        tuple(new["std"]),
-    ).to(tokenizer.pos_embed.dtype)
+    out = _tokenizer(new).to(tokenizer.pos_embed.dtype)
     out.load_state_dict(state)
     return out, new
 
