@@ -14,6 +14,7 @@ import sys
 from types import SimpleNamespace
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from .config import (
@@ -26,6 +27,7 @@ from .config import (
     CIFAR10DataConfig,
     ClassificationTaskConfig,
     ClassifierHeadConfig,
+    ContrastiveTaskConfig,
     DiffusionTaskConfig,
     DiTHeadConfig,
     DiTTokenizerConfig,
@@ -35,6 +37,7 @@ from .config import (
     PretrainedBackboneConfig,
     PretrainedHeadConfig,
     PretrainedTokenizerConfig,
+    ProjectionHeadConfig,
     RecipeConfig,
     RecipeError,
     TextClassificationDataConfig,
@@ -47,13 +50,13 @@ from .config import (
 from .data.audio import audio_classification_data
 from .data.datamodule import MultiTaskDataModule
 from .data.image import cifar10_data, image_folder_data
-from .data.image_caption import image_caption_data, read_captions
+from .data.image_caption import encode_captions, image_caption_data, read_captions, read_class_prompts
 from .data.roots import DataError, DataNotFoundError, resolve_root
 from .data.text import corpus_split, text_data
 from .data.text_classification import text_classification_data
 from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
 from .models.diffusion import GaussianDiffusion, RectifiedFlow, beta_schedule
-from .models.heads import DiTFinalLayer, LMHead
+from .models.heads import DiTFinalLayer, LMHead, ProjectionHead
 from .models.pretrained import (
     FAMILY_MODALITY,
     Pretrained,
@@ -66,6 +69,7 @@ from .models.pretrained.timm_vit import LoadReport, adapt_classifier, adapt_toke
 from .nn.lora import apply_lora
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
+from .tasks.contrastive import ContrastiveTask
 from .tasks.diffusion import DiffusionTask
 from .tasks.language_model import CausalLMTask
 from .tokenizers import ViTPatchTokenizer
@@ -429,6 +433,50 @@ def build_classification(cfg: ClassificationTaskConfig, recipe: RecipeConfig) ->
     return ClassificationTask(cfg.tokenizer, cfg.head, num_classes, key, cfg.label_smoothing)
 
 
+@register("head", "projection", ProjectionHeadConfig)
+def build_projection(cfg: ProjectionHeadConfig, d_model: int, tokenizer) -> ProjectionHead:
+    prefix = getattr(tokenizer, "num_prefix_tokens", 0)
+    if cfg.pool == "cls" and prefix < 1:
+        raise RecipeError("a projection head with pool: cls needs a tokenizer with a class token; use mean or last")
+    return ProjectionHead(d_model, cfg.embed_dim, cfg.pool, prefix, cfg.norm)
+
+
+@register("task", "contrastive", ContrastiveTaskConfig)
+def build_contrastive(cfg: ContrastiveTaskConfig, recipe: RecipeConfig) -> ContrastiveTask:
+    m = recipe.model
+    if tokenizer_modality(m.tokenizers[cfg.caption_tokenizer]) != "text":
+        raise RecipeError(f"caption_tokenizer {cfg.caption_tokenizer!r} must be a text tokenizer")
+    modality = tokenizer_modality(m.tokenizers[cfg.tokenizer])
+    if modality == "text":
+        raise RecipeError(f"tokenizer {cfg.tokenizer!r} reads text; a contrastive task pairs images or audio with text")
+    widths = {m.heads[h].embed_dim for h in (cfg.head, cfg.caption_head) if hasattr(m.heads[h], "embed_dim")}
+    if len(widths) > 1:
+        raise RecipeError(
+            f"heads {cfg.head!r} and {cfg.caption_head!r} must share one embed_dim, got {sorted(widths)}"
+        )
+    prompts = None
+    label_key = getattr(cfg.data, "label_key", None)
+    if label_key:
+        classes = read_class_prompts(resolve_root(cfg.data.root), label_key)
+        texts = [(i, p) for i, ps in enumerate(classes.values()) for p in ps]
+        tok = text_tokenizer(recipe, cfg.caption_tokenizer)
+        ids, valid = tok.pad_batch(encode_captions(tok, [p for _, p in texts], cfg.data.max_len))
+        prompts = (ids, valid, torch.tensor([i for i, _ in texts]))
+    return ContrastiveTask(
+        cfg.tokenizer,
+        cfg.head,
+        cfg.caption_tokenizer,
+        cfg.caption_head,
+        cfg.loss,
+        modality,
+        cfg.init_temperature,
+        cfg.init_bias,
+        cfg.learn_temperature,
+        cfg.gather,
+        prompts,
+    )
+
+
 @register("dataset", "image_folder", ImageFolderDataConfig)
 def build_image_folder(cfg: ImageFolderDataConfig, task, recipe: RecipeConfig):
     return image_folder_data(
@@ -440,7 +488,9 @@ def build_image_folder(cfg: ImageFolderDataConfig, task, recipe: RecipeConfig):
 def build_image_caption(cfg: ImageCaptionDataConfig, task, recipe: RecipeConfig):
     name = getattr(task, "caption_tokenizer", None)
     if name is None:
-        raise RecipeError("image_caption data is read by a task with a caption_tokenizer (kind: diffusion)")
+        raise RecipeError(
+            "image_caption data is read by a task with a caption_tokenizer (kind: diffusion or contrastive)"
+        )
     return image_caption_data(cfg, recipe.model.tokenizers[task.tokenizer], text_tokenizer(recipe, name))
 
 
@@ -571,18 +621,25 @@ def build_model(
     _BUILD_SESSION = {}
     try:
         backbone = lookup("backbone", m.backbone.kind).builder(m.backbone)
-        d = backbone.d_model
+        towers = {n: lookup("backbone", c.kind).builder(c) for n, c in m.towers.items()}
+        width = {n: (towers[n] if n in towers else backbone).d_model for n in m.tokenizers}
         tokenizers = {}
         for n, c in m.tokenizers.items():
             if c.kind == "bpe":
                 tt = (text_tokenizers or {}).get(n) or text_tokenizer(recipe, n)
-                tokenizers[n] = lookup("tokenizer", c.kind).builder(c, d, tt.vocab_size)
+                tokenizers[n] = lookup("tokenizer", c.kind).builder(c, width[n], tt.vocab_size)
             else:
-                tokenizers[n] = lookup("tokenizer", c.kind).builder(c, d)
+                tokenizers[n] = lookup("tokenizer", c.kind).builder(c, width[n])
         heads = {}
         for name, cfg in m.heads.items():
-            readers = [t.tokenizer for t in recipe.tasks.values() if getattr(t, "head", None) == name]
+            readers = [
+                getattr(t, f"{prefix}tokenizer")
+                for t in recipe.tasks.values()
+                for prefix in ("", "caption_")
+                if getattr(t, f"{prefix}head", None) == name
+            ]
             tokenizer = tokenizers.get(readers[0]) if readers else None
+            d = width[readers[0]] if readers else backbone.d_model
             heads[name] = lookup("head", cfg.kind).builder(cfg, d, tokenizer)
         loaded = {p.source: {"family": p.family, "config": p.config} for p in _BUILD_SESSION.values()}
         for p in _BUILD_SESSION.values():
@@ -592,7 +649,7 @@ def build_model(
                 print(p.report)
     finally:
         _BUILD_SESSION = None
-    model = MultimodalModel(tokenizers, backbone, heads)
+    model = MultimodalModel(tokenizers, backbone, heads, towers)
     model.pretrained_configs = loaded  # checkpoints carry them, so they stand alone
     if m.lora is not None:  # the pretrained parts freeze; adapters and new parts train
         if m.backbone.kind != "pretrained":
@@ -659,7 +716,7 @@ def default_monitor(recipe: RecipeConfig, module: MultiTaskModule) -> tuple[str,
     for name, task in module.tasks.items():
         known[f"train/{name}/loss"] = "min"
         main_name, main_mode = getattr(task, "main_metric", ("loss", "min"))
-        for metric in getattr(task, "val_metrics", {}):
+        for metric in [*getattr(task, "val_metrics", {}), *getattr(task, "epoch_metric_names", ())]:
             known[f"val/{name}/{metric}"] = (
                 main_mode if metric == main_name else ("min" if metric.endswith(("loss", "ppl")) else "max")
             )

@@ -560,9 +560,54 @@ class ImageCaptionDataConfig:
     num_workers: int = 0
     drop_last: bool = True
     cache: bool = True  # keep decoded images in memory
+    label_key: Optional[str] = None  # a row field naming each item's class (emoji: group), for zero-shot;
+    # the classes and their prompts are read from root/<label_key>.json ({class: [prompt, …]})
 
     def __post_init__(self) -> None:
         _positive(self, "max_len", "batch_size", "val_batch_size")
+
+
+@dataclass
+class ProjectionHeadConfig:
+    """``model.heads.<name>`` of kind ``projection``: pooled hidden state → shared embedding space
+    (``mmformer.models.ProjectionHead``), read by a contrastive task."""
+
+    kind: str = "projection"
+    embed_dim: int = MISSING
+    pool: str = "cls"  # cls | mean | last (the last real token: a causal text encoder's end of text)
+    norm: bool = False  # LayerNorm before the projection
+
+    def __post_init__(self) -> None:
+        if self.pool not in ("cls", "mean", "last"):
+            raise ValueError(f"pool={self.pool!r}; choose cls, mean or last")
+        _positive(self, "embed_dim")
+
+
+@dataclass
+class ContrastiveTaskConfig:
+    """``tasks.<name>`` of kind ``contrastive``: CLIP (softmax InfoNCE) or SigLIP (sigmoid) between the
+    inputs (``tokenizer`` → ``head``) and their captions (``caption_tokenizer`` → ``caption_head``);
+    held-out retrieval recall and zero-shot classification (``mmformer.tasks.contrastive``)."""
+
+    kind: str = "contrastive"
+    weight: float = 1.0
+    tokenizer: str = MISSING  # image (or audio) tokenizer
+    head: str = MISSING  # its projection head
+    caption_tokenizer: str = MISSING  # text tokenizer
+    caption_head: str = MISSING  # its projection head
+    loss: str = "clip"  # clip | siglip
+    init_temperature: Optional[float] = None  # default: CLIP 0.07, SigLIP 0.1
+    init_bias: float = -10.0  # SigLIP's logit bias
+    learn_temperature: bool = True
+    gather: bool = True  # score against every rank's pairs (features gathered with gradients)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("clip", "siglip"):
+            raise ValueError(f"loss={self.loss!r}; choose clip or siglip")
+        _positive(self, "init_temperature")
+        if self.weight < 0:
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
 
 
 # --------------------------------------------------------------------------- top-level sections
@@ -570,6 +615,7 @@ class ImageCaptionDataConfig:
 class ModelConfig:
     tokenizers: dict[str, Any] = field(default_factory=dict)
     backbone: dict[str, Any] = field(default_factory=dict)
+    towers: dict[str, Any] = field(default_factory=dict)  # tokenizer name → its own backbone
     heads: dict[str, Any] = field(default_factory=dict)
     lora: Optional[LoRAConfig] = None
 
@@ -725,6 +771,10 @@ def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
     model.tokenizers = {
         k: _component("tokenizer", v, f"model.tokenizers.{k}") for k, v in model.tokenizers.items()
     }
+    model.towers = {
+        k: _component("backbone", v, f"model.towers.{k}", default_kind="transformer")
+        for k, v in model.towers.items()
+    }
     model.heads = {k: _component("head", v, f"model.heads.{k}") for k, v in model.heads.items()}
     tasks = {}
     for name, node in recipe.tasks.items():
@@ -847,10 +897,28 @@ def _check_references(recipe: RecipeConfig) -> None:
                 "class_token: false; use pool: mean or enable the class token"
             )
 
+    for name in recipe.model.towers:
+        if name not in recipe.model.tokenizers:
+            close = difflib.get_close_matches(name, recipe.model.tokenizers, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise RecipeError(
+                f"'model.towers.{name}' names no tokenizer (a tower reads one tokenizer's tokens): "
+                f"model.tokenizers has {', '.join(recipe.model.tokenizers) or 'none'}.{hint}"
+            )
+    for name, task in recipe.tasks.items():
+        for attr, table in (("caption_tokenizer", recipe.model.tokenizers), ("caption_head", recipe.model.heads)):
+            ref = getattr(task, attr, None)
+            if ref is not None and ref not in table:
+                close = difflib.get_close_matches(ref, table, n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise RecipeError(
+                    f"'tasks.{name}.{attr}' refers to {ref!r}, which is not in "
+                    f"model.{attr.split('_')[1]}s ({', '.join(table) or 'none defined'}).{hint}"
+                )
     for attr, table in (("tokenizer", recipe.model.tokenizers), ("head", recipe.model.heads)):
         used = {getattr(t, attr, None) for t in recipe.tasks.values()}
-        if attr == "tokenizer":  # a diffusion task's captions read a second tokenizer
-            used |= {getattr(t, "caption_tokenizer", None) for t in recipe.tasks.values()}
+        # a diffusion or contrastive task's captions read a second tokenizer (and head)
+        used |= {getattr(t, f"caption_{attr}", None) for t in recipe.tasks.values()}
         for name in table:
             if name not in used:  # an unused part would be trained by nobody (and breaks DDP)
                 raise RecipeError(

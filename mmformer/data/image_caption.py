@@ -2,13 +2,16 @@
 (paths relative to ``root``), e.g. the bundled ``emoji`` set.
 
 Batches: ``image (B, C, H, W)`` uint8, ``caption (B, L)`` long (BOS … EOS, right-padded with the pad id),
-``caption_valid (B, L)`` bool (True = real token). Captions decoded once, images once per epoch (or
-cached).
+``caption_valid (B, L)`` bool (True = real token), ``caption_text`` (the strings) and, with a
+``label_key``, ``label (B,)`` long: the index of the row's class in ``root/<label_key>.json``
+(``{class name: [prompt, …]}``, the zero-shot classes), -1 for a row without one. Captions decoded once,
+images once per epoch (or cached).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import torch
@@ -22,20 +25,54 @@ from .roots import DataError
 
 def read_captions(path: Path) -> list[tuple[str, str]]:
     """``(absolute image path, caption)`` rows; raises ``DataError`` naming ``file:line``."""
+    return [(image, caption) for image, caption, _ in read_caption_rows(path)]
+
+
+def read_caption_rows(path: Path, label_key: str | None = None) -> list[tuple[str, str, str | None]]:
+    """``(absolute image path, caption, the row's label_key value or None)``; raises ``DataError``
+    naming ``file:line``."""
     if not path.is_file():
         raise DataError(f'{path} is missing (one {{"image": …, "caption": …}} per line)')
     rows = []
     for _, row in read_jsonl(path, ("image", "caption")):
         image = Path(row["image"])
-        rows.append((str(image if image.is_absolute() else path.parent / image), str(row["caption"])))
+        label = row.get(label_key) if label_key else None
+        rows.append((str(image if image.is_absolute() else path.parent / image), str(row["caption"]), label))
     return rows
 
 
-class ImageCaptions(Dataset):
-    """Items ``{"image": (C, H, W) uint8, "ids": [caption token ids], "caption": str}``."""
+def read_class_prompts(root: Path, label_key: str) -> dict[str, list[str]]:
+    """``root/<label_key>.json``: class name → its prompts (at least one each), in class order.
+    Raises ``DataError`` naming the file."""
+    path = root / f"{label_key}.json"
+    if not path.is_file():
+        raise DataError(f"{path} is missing: label_key {label_key!r} needs its classes and their prompts")
+    try:
+        classes = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not JSON ({e})") from None
+    if (
+        not isinstance(classes, dict)
+        or not classes
+        or not all(isinstance(p, list) and p and all(isinstance(x, str) for x in p) for p in classes.values())
+    ):
+        raise DataError(f'{path}: expected {{"class name": ["prompt", …], …}} with a prompt for each class')
+    return classes
 
-    def __init__(self, rows: list[tuple[str, str]], ids: list[list[int]], preprocess, cache: bool = False):
-        self.rows, self.ids, self.preprocess = rows, ids, preprocess
+
+class ImageCaptions(Dataset):
+    """Items ``{"image": (C, H, W) uint8, "ids": [caption token ids], "caption": str}``, plus
+    ``"label": int`` when ``labels`` are given."""
+
+    def __init__(
+        self,
+        rows: list[tuple[str, str]],
+        ids: list[list[int]],
+        preprocess,
+        cache: bool = False,
+        labels: list[int] | None = None,
+    ):
+        self.rows, self.ids, self.preprocess, self.labels = rows, ids, preprocess, labels
         self.cache: dict[int, torch.Tensor] | None = {} if cache else None
 
     def __len__(self) -> int:
@@ -52,17 +89,23 @@ class ImageCaptions(Dataset):
                 raise DataError(f"unreadable image {path}: {e}") from None
             if self.cache is not None:
                 self.cache[i] = pixels
-        return {"image": self.preprocess.augment(pixels), "ids": self.ids[i], "caption": self.rows[i][1]}
+        item = {"image": self.preprocess.augment(pixels), "ids": self.ids[i], "caption": self.rows[i][1]}
+        if self.labels is not None:
+            item["label"] = self.labels[i]
+        return item
 
 
 def collate_captions(samples: list[dict], pad_id: int) -> dict:
     ids, valid = pad_ids([s["ids"] for s in samples], pad_id)
-    return {
+    batch = {
         "image": torch.stack([s["image"] for s in samples]),
         "caption": ids,
         "caption_valid": valid,
         "caption_text": [s["caption"] for s in samples],
     }
+    if "label" in samples[0]:
+        batch["label"] = torch.tensor([s["label"] for s in samples], dtype=torch.long)
+    return batch
 
 
 def encode_captions(tokenizer, captions: list[str], max_len: int) -> list[list[int]]:
@@ -81,10 +124,19 @@ def image_caption_data(cfg, tok_cfg, tokenizer):
     root = resolve_root(cfg.root)
     preprocess = ImagePreprocess(tok_cfg.image_size, tok_cfg.in_chans)
 
+    index = None
+    if cfg.label_key:
+        index = {name: i for i, name in enumerate(read_class_prompts(root, cfg.label_key))}
+
     def make(split: str) -> ImageCaptions:
-        rows = read_captions(root / f"{split}.jsonl")
+        rows = read_caption_rows(root / f"{split}.jsonl", cfg.label_key)
+        labels = None if index is None else [index.get(label, -1) for _, _, label in rows]
         return ImageCaptions(
-            rows, encode_captions(tokenizer, [c for _, c in rows], cfg.max_len), preprocess, cfg.cache
+            [(p, c) for p, c, _ in rows],
+            encode_captions(tokenizer, [c for _, c, _ in rows], cfg.max_len),
+            preprocess,
+            cfg.cache,
+            labels,
         )
 
     return TaskData(

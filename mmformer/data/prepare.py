@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .emoji import EMOJI_FONT, EMOJI_INSTALL, build_emoji
+from .emoji import EMOJI_FONT, EMOJI_INSTALL, EMOJI_TEST, build_emoji
 from .roots import DataError, data_root
 from .speech import (
     ASTERISK_DIR,
@@ -306,7 +306,8 @@ BUNDLED: dict[str, Bundled] = {
         "emoji",
         "~1,400 emoji images (64×64 RGB) captioned with their Unicode names (apt fonts-noto-color-emoji)",
         lambda out: build_emoji(out),
-        needs=(str(EMOJI_FONT),),
+        marker=".complete-v2",  # v2: Unicode group / subgroup per emoji, group.json
+        needs=(str(EMOJI_FONT), str(EMOJI_TEST)),
         install=EMOJI_INSTALL,
     ),
     "wordnet-supersenses": Bundled(

@@ -3,7 +3,7 @@
 
 from .backbone import Backbone, build_backbone
 from .flops import count_flops
-from .heads import ClassifierHead
+from .heads import ClassifierHead, ProjectionHead
 from .model import MultimodalModel
 from .presets import PRESETS, preset
 
@@ -11,6 +11,7 @@ __all__ = [
     "Backbone",
     "build_backbone",
     "ClassifierHead",
+    "ProjectionHead",
     "MultimodalModel",
     "PRESETS",
     "preset",

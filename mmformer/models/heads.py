@@ -5,6 +5,7 @@ Shape legend: B batch, N tokens, D model width, K classes.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from ..nn.tokens import Tokens
@@ -62,6 +63,51 @@ class ClassifierHead(nn.Module):
             w = tokens.valid[:, self.num_prefix_tokens :].unsqueeze(-1).to(h.dtype)  # (B, N - prefix, 1)
             x = (h * w).sum(1) / w.sum(1).clamp_min(1.0)  # mean over real tokens only
         return self.head(self.head_drop(self.fc_norm(x)))
+
+
+class ProjectionHead(nn.Module):
+    """Pool the backbone's hidden states into one vector and project it into a shared embedding space
+    (CLIP's ``visual.proj`` / ``text_projection``, Radford et al. 2021 §2.4; no bias, as CLIP).
+
+    Args:
+        d_model: hidden width ``D`` (of the backbone or tower that feeds this head).
+        embed_dim: ``E``, the shared embedding width.
+        pool: ``cls`` (first token), ``mean`` (valid non-prefix tokens) or ``last`` (the last valid token —
+            CLIP's end-of-text token; the one pooling that suits a causal text encoder).
+        num_prefix_tokens: tokens excluded from mean pooling (class token); from the tokenizer.
+        norm: LayerNorm before the projection (CLIP's ``ln_post``; off when the backbone ends in a norm).
+
+    ``forward(hidden (B, N, D), tokens) → (B, E)`` in the hidden dtype, not normalised (the objective
+    normalises). Raises ``ValueError`` for an unknown ``pool``.
+    """
+
+    POOLS = ("cls", "mean", "last")
+
+    def __init__(
+        self, d_model: int, embed_dim: int, pool: str = "cls", num_prefix_tokens: int = 0, norm: bool = False
+    ):
+        super().__init__()
+        if pool not in self.POOLS:
+            raise ValueError(f"pool must be one of {self.POOLS}, got {pool!r}")
+        if pool == "cls" and num_prefix_tokens < 1:
+            raise ValueError("pool='cls' needs a tokenizer with a class token; use 'mean' or 'last'")
+        self.pool, self.num_prefix_tokens = pool, num_prefix_tokens
+        self.norm = nn.LayerNorm(d_model, eps=1e-6) if norm else nn.Identity()
+        self.proj = nn.Linear(d_model, embed_dim, bias=False)
+        nn.init.normal_(self.proj.weight, std=d_model**-0.5)  # CLIP: width ** -0.5
+
+    def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
+        if self.pool == "cls":
+            x = hidden[:, 0]
+        elif self.pool == "last":
+            valid = tokens.valid  # (B, N); right padding or left, the last True is the last real token
+            last = (valid.long() * torch.arange(valid.shape[1], device=valid.device)).argmax(1)
+            x = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        else:
+            h = hidden[:, self.num_prefix_tokens :]
+            w = tokens.valid[:, self.num_prefix_tokens :].unsqueeze(-1).to(h.dtype)
+            x = (h * w).sum(1) / w.sum(1).clamp_min(1.0)
+        return self.proj(self.norm(x))
 
 
 class LMHead(nn.Module):

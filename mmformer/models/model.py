@@ -1,5 +1,6 @@
 """The composed multimodal model: ``tokenizers: dict + backbone + heads: dict`` (torchtune's
-early-fusion model). Parameter names: ``tokenizers.<name>.*``, ``backbone.*``, ``heads.<name>.*``.
+early-fusion model), optionally with per-modality ``towers`` (CLIP's separate image and text encoders).
+Parameter names: ``tokenizers.<name>.*``, ``backbone.*``, ``towers.<tokenizer name>.*``, ``heads.<name>.*``.
 
 Shape legend: B batch, N tokens, D model width.
 """
@@ -16,16 +17,32 @@ class MultimodalModel(nn.Module):
     """Modality tokenizers feeding one shared backbone, read out by named heads.
 
     Args:
-        tokenizers: name → model-side tokenizer (returns ``Tokens`` of width ``backbone.d_model``).
+        tokenizers: name → model-side tokenizer (returns ``Tokens`` of its backbone's width).
         backbone: the shared ``Backbone``.
         heads: name → head module ``(hidden (B, N, D), tokens) → output``.
+        towers: tokenizer name → a ``Backbone`` of its own that reads that tokenizer's tokens instead of
+            the shared one (per-modality towers, e.g. a pretrained text encoder beside an image ViT).
     """
 
-    def __init__(self, tokenizers: dict[str, nn.Module], backbone: Backbone, heads: dict[str, nn.Module]):
+    def __init__(
+        self,
+        tokenizers: dict[str, nn.Module],
+        backbone: Backbone,
+        heads: dict[str, nn.Module],
+        towers: dict[str, Backbone] | None = None,
+    ):
         super().__init__()
+        unknown = set(towers or {}) - set(tokenizers)
+        if unknown:
+            raise ValueError(f"towers {sorted(unknown)} name no tokenizer; tokenizers: {list(tokenizers)}")
         self.tokenizers = nn.ModuleDict(tokenizers)
         self.backbone = backbone
+        self.towers = nn.ModuleDict(towers or {})
         self.heads = nn.ModuleDict(heads)
+
+    def backbone_of(self, tokenizer: str) -> Backbone:
+        """The backbone that reads ``tokenizer``'s tokens: its tower, else the shared one."""
+        return self.towers[tokenizer] if tokenizer in self.towers else self.backbone
 
     def encode(self, tokenizer: str, inputs: Tensor, cache=None, **tokenizer_kwargs) -> tuple[Tensor, Tokens]:
         """Tokenize ``inputs`` with ``tokenizers[tokenizer]`` (extra keyword arguments such as a text
@@ -43,7 +60,7 @@ class MultimodalModel(nn.Module):
             raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
         out = self.tokenizers[tokenizer](inputs, **kwargs)
         tokens, cond = out if isinstance(out, tuple) else (out, None)  # DiT: (Tokens, cond (B, Dc))
-        hidden = self.backbone(tokens, cache=cache, **({"cond": cond} if cond is not None else {}))
+        hidden = self.backbone_of(tokenizer)(tokens, cache=cache, **({"cond": cond} if cond is not None else {}))
         return hidden, tokens, cond
 
     def forward(self, inputs: Tensor, tokenizer: str, head: str, cache=None, **tokenizer_kwargs) -> Tensor:

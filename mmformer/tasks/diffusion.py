@@ -153,7 +153,7 @@ class DiffusionTask(nn.Module):
         x0 = to_unit_range(batch[self.input_key])
         return self._loss(model, x0, self._condition(model, batch), *self._draw(x0, None)).mean()
 
-    def on_validation_epoch_start(self) -> None:
+    def on_validation_epoch_start(self, model: MultimodalModel) -> None:
         self._val_generator = None  # every validation pass draws the same noise
 
     def validation_update(self, model: MultimodalModel, batch: dict) -> None:

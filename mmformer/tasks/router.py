@@ -2,7 +2,9 @@
 
 Each step receives ``{task_name: batch}``; the training loss is the weighted sum of the tasks'
 losses. Logged: ``train/<task>/loss``, ``train/loss``, ``lr``, ``train/grad_norm``,
-``val/<task>/<metric>`` (torchmetrics objects, synchronised across ranks at epoch end).
+``val/<task>/<metric>`` (torchmetrics objects, synchronised across ranks at epoch end, and a task's
+``epoch_metrics()`` computed over the whole validation set). A task's own parameters (a contrastive
+temperature) train in an extra optimizer group without weight decay.
 Checkpoints carry the resolved recipe as plain YAML text and the RNG states, so they load with
 ``torch.load(weights_only=True)`` and resumed runs continue the same random streams.
 """
@@ -107,10 +109,19 @@ class MultiTaskModule(L.LightningModule):
                 )
 
     def on_validation_epoch_start(self) -> None:
-        for task in self.tasks.values():  # e.g. a diffusion task re-seeds its validation noise
+        # e.g. a diffusion task re-seeds its validation noise, a contrastive one embeds its zero-shot
+        # classes (with the EMA weights when kept: callbacks swap them in before this hook)
+        for task in self.tasks.values():
             hook = getattr(task, "on_validation_epoch_start", None)
             if hook is not None:
-                hook()
+                hook(self.model)
+
+    def on_validation_epoch_end(self) -> None:
+        # whole-set metrics (retrieval over every held-out pair), already gathered from every rank
+        for name, task in self.tasks.items():
+            hook = getattr(task, "epoch_metrics", None)
+            for metric, value in (hook() if hook is not None else {}).items():
+                self.log(f"val/{name}/{metric}", value, prog_bar=metric == task.main_metric[0])
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
@@ -119,6 +130,11 @@ class MultiTaskModule(L.LightningModule):
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
         optimizer = build_optimizer(self.model, self.optim_cfg)
+        extra = [p for p in self.tasks.parameters() if p.requires_grad]  # e.g. a learned temperature
+        if extra:
+            optimizer.add_param_group(
+                {"params": extra, "weight_decay": 0.0, "name": "task", "lr_scale": 1.0, "lr": self.optim_cfg.lr}
+            )
         total = self.trainer.estimated_stepping_batches
         if total == float("inf"):
             raise ValueError("the run has no finite length: set trainer.max_epochs or trainer.max_steps")

@@ -31,6 +31,15 @@ def test_build_renders_captioned_emoji(tmp_path):
     assert {r["codepoint"] for r in rows["train"]}.isdisjoint(r["codepoint"] for r in rows["val"])
     grin = next(r for r in rows["train"] if r["codepoint"] == "1F600")
     assert grin["caption"] == "grinning face"
+    # Unicode's emoji taxonomy, and each group's zero-shot prompts: its name, then its subgroups'
+    assert (grin["group"], grin["subgroup"]) == ("smileys and emotion", "face smiling")
+    cat = next(r for s in rows.values() for r in s if r["codepoint"] == "1F431")  # cat face
+    assert (cat["group"], cat["subgroup"]) == ("animals and nature", "animal mammal")
+    prompts = json.loads((tmp_path / "group.json").read_text())
+    assert prompts["smileys and emotion"][:2] == ["smileys and emotion", "face smiling"]
+    assert "animal mammal" in prompts["animals and nature"] and "food fruit" in prompts["food and drink"]
+    assert {r["group"] for s in rows.values() for r in s if "group" in r} == set(prompts)
+    assert sum("group" not in r for s in rows.values() for r in s) < 10  # a few pictographs are not emoji
     pixels = np.asarray(Image.open(tmp_path / grin["image"]))
     assert pixels.shape == (32, 32, 3) and (pixels[0, 0] == 255).all()  # white background
     assert pixels[16, 16].tolist() != [255, 255, 255]  # a face in the middle

@@ -236,7 +236,7 @@ def test_validation_reports_the_unconditional_loss_on_the_same_noise():
     def losses():
         for metric in task.val_metrics.values():
             metric.reset()
-        task.on_validation_epoch_start()
+        task.on_validation_epoch_start(model)
         task.validation_update(model.eval(), batch)
         return float(task.val_metrics["loss"].compute()), float(task.val_metrics["loss_uncond"].compute())
 
