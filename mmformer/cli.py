@@ -104,6 +104,7 @@ def _val_metrics(trainer) -> str:
 def _named_parts(recipe):
     m = recipe.model
     yield "backbone", m.backbone
+    yield from ((f"towers.{n}", c) for n, c in m.towers.items())
     yield from ((f"tokenizers.{n}", c) for n, c in m.tokenizers.items())
     yield from ((f"heads.{n}", c) for n, c in m.heads.items())
 
@@ -116,9 +117,8 @@ def describe_model(model, recipe) -> list[str]:
     """Parameter counts per part and FLOPs per sample for each task (counted on the eager path)."""
     from .models import count_flops
 
-    parts = {
-        p: sum(x.numel() for x in getattr(model, p).parameters()) for p in ("tokenizers", "backbone", "heads")
-    }
+    tables = ("tokenizers", "backbone", "towers", "heads") if len(model.towers) else ("tokenizers", "backbone", "heads")
+    parts = {p: sum(x.numel() for x in getattr(model, p).parameters()) for p in tables}
     total = sum(x.numel() for x in model.parameters())  # shared (tied) tensors counted once
     shared = " — tied weights counted once in the total" if total != sum(parts.values()) else ""
     lines = [f"parameters: {total:,} (" + ", ".join(f"{k} {v:,}" for k, v in parts.items()) + f"{shared})"]
@@ -126,6 +126,7 @@ def describe_model(model, recipe) -> list[str]:
     if trainable != total:  # frozen parts or LoRA: say what actually trains
         parts = [(f"tokenizers.{n}", m) for n, m in model.tokenizers.items()]
         parts += [(f"backbone.blocks.{i}", b) for i, b in enumerate(model.backbone.blocks)]
+        parts += [(f"towers.{n}", t) for n, t in model.towers.items()]
         parts += [
             ("backbone.norm", model.backbone.norm),
             *((f"heads.{n}", m) for n, m in model.heads.items()),
@@ -149,7 +150,7 @@ def describe_model(model, recipe) -> list[str]:
         lines.append(f"pretrained {source}: loaded {', '.join(names)}")
     for name, task in recipe.tasks.items():
         tok = model.tokenizers[task.tokenizer]
-        if hasattr(tok, "example_input"):
+        if hasattr(tok, "example_input") and task.tokenizer not in model.towers:
             flops = count_flops(model, tok.example_input(1), task.tokenizer, task.head)
             what = (
                 "sample"

@@ -235,3 +235,45 @@ def test_the_temperature_trains_without_weight_decay(tmp_path):
     opt = module.configure_optimizers()["optimizer"]
     (group,) = [g for g in opt.param_groups if g["name"] == "task"]
     assert group["params"] == [task.logit_scale] and group["weight_decay"] == 0.0
+
+
+RECIPE = """\
+name: pairs
+model:
+  tokenizers:
+    image: {kind: vit_patch, image_size: 8, patch_size: 4, in_chans: 1, mean: [0.5], std: [0.25]}
+    caption: {kind: bpe, path: unused.json, max_len: 12}
+  backbone: {d_model: 32, n_layers: 1, n_heads: 2}
+  towers: TOWERS
+  heads:
+    image_embed: {kind: projection, embed_dim: 8}
+    caption_embed: {kind: projection, embed_dim: EMBED, pool: mean}
+tasks:
+  pairs:
+    kind: contrastive
+    tokenizer: image
+    head: image_embed
+    caption_tokenizer: caption
+    caption_head: CAPTION_HEAD
+    data: {kind: image_caption, root: unused}
+trainer: {max_steps: 1}
+"""
+
+
+@pytest.mark.parametrize(
+    "towers, head, embed, build, message",
+    [
+        ("{captions: {d_model: 16, n_layers: 1, n_heads: 2}}", "caption_embed", 8, False, "Did you mean 'caption'"),
+        ("{}", "caption_embd", 8, False, "'tasks.pairs.caption_head' refers to 'caption_embd'.*Did you mean 'caption_embed'"),
+        ("{}", "caption_embed", 16, True, "must share one embed_dim"),
+    ],
+)
+def test_recipe_mistakes_name_the_key(towers, head, embed, build, message):
+    from mmformer.build import build_contrastive
+    from mmformer.config import RecipeError, recipe_from_yaml
+
+    text = RECIPE.replace("TOWERS", towers).replace("CAPTION_HEAD", head).replace("EMBED", str(embed))
+    with pytest.raises(RecipeError, match=message):
+        recipe = recipe_from_yaml(text)
+        if build:
+            build_contrastive(recipe.tasks["pairs"], recipe)
