@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from .config import (
     ASTConfig,
+    AudioCaptionDataConfig,
     AudioFolderDataConfig,
     AudioManifestDataConfig,
     BackboneConfig,
@@ -47,7 +48,8 @@ from .config import (
     recipe_to_dict,
     recipe_to_yaml,
 )
-from .data.audio import audio_classification_data
+from .data.audio import audio_classification_data, manifest_rows
+from .data.audio_caption import audio_caption_data
 from .data.datamodule import MultiTaskDataModule
 from .data.image import cifar10_data, image_folder_data
 from .data.image_caption import encode_captions, image_caption_data, read_captions, read_class_prompts
@@ -437,7 +439,9 @@ def build_classification(cfg: ClassificationTaskConfig, recipe: RecipeConfig) ->
 def build_projection(cfg: ProjectionHeadConfig, d_model: int, tokenizer) -> ProjectionHead:
     prefix = getattr(tokenizer, "num_prefix_tokens", 0)
     if cfg.pool == "cls" and prefix < 1:
-        raise RecipeError("a projection head with pool: cls needs a tokenizer with a class token; use mean or last")
+        raise RecipeError(
+            "a projection head with pool: cls needs a tokenizer with a class token; use mean or last"
+        )
     return ProjectionHead(d_model, cfg.embed_dim, cfg.pool, prefix, cfg.norm)
 
 
@@ -448,7 +452,9 @@ def build_contrastive(cfg: ContrastiveTaskConfig, recipe: RecipeConfig) -> Contr
         raise RecipeError(f"caption_tokenizer {cfg.caption_tokenizer!r} must be a text tokenizer")
     modality = tokenizer_modality(m.tokenizers[cfg.tokenizer])
     if modality == "text":
-        raise RecipeError(f"tokenizer {cfg.tokenizer!r} reads text; a contrastive task pairs images or audio with text")
+        raise RecipeError(
+            f"tokenizer {cfg.tokenizer!r} reads text; a contrastive task pairs images or audio with text"
+        )
     widths = {m.heads[h].embed_dim for h in (cfg.head, cfg.caption_head) if hasattr(m.heads[h], "embed_dim")}
     if len(widths) > 1:
         raise RecipeError(
@@ -492,6 +498,17 @@ def build_image_caption(cfg: ImageCaptionDataConfig, task, recipe: RecipeConfig)
             "image_caption data is read by a task with a caption_tokenizer (kind: diffusion or contrastive)"
         )
     return image_caption_data(cfg, recipe.model.tokenizers[task.tokenizer], text_tokenizer(recipe, name))
+
+
+@register("dataset", "audio_caption", AudioCaptionDataConfig)
+def build_audio_caption(cfg: AudioCaptionDataConfig, task, recipe: RecipeConfig):
+    name = getattr(task, "caption_tokenizer", None)
+    if name is None:
+        raise RecipeError("audio_caption data is read by a task with a caption_tokenizer (kind: contrastive)")
+    tok = recipe.model.tokenizers[task.tokenizer]
+    if tokenizer_modality(tok) != "audio":
+        raise RecipeError(f"audio_caption data needs an audio tokenizer; {task.tokenizer!r} is not one")
+    return audio_caption_data(cfg, _audio_preprocess(tok), text_tokenizer(recipe, name))
 
 
 @register("dataset", "cifar10", CIFAR10DataConfig)
@@ -576,7 +593,8 @@ def text_tokenizer(recipe: RecipeConfig, name: str) -> TextTokenizer:
         (
             t
             for t in recipe.tasks.values()
-            if getattr(t, "caption_tokenizer", None) == name and t.data.kind == "image_caption"
+            if getattr(t, "caption_tokenizer", None) == name
+            and t.data.kind in ("image_caption", "audio_caption")
         ),
         None,
     )
@@ -588,9 +606,13 @@ def text_tokenizer(recipe: RecipeConfig, name: str) -> TextTokenizer:
     if task is not None:
         root = resolve_root(task.data.root)
         docs, train, _ = corpus_split(root, task.data.val_fraction, recipe.seed)
-    else:  # the training captions of an image–caption task
+    else:  # the training captions of an image– or audio–caption task
         root = resolve_root(captioned.data.root)
-        docs = [c for _, c in read_captions(root / f"{captioned.data.train_split}.jsonl")]
+        manifest = root / f"{captioned.data.train_split}.jsonl"
+        if captioned.data.kind == "image_caption":
+            docs = [c for _, c in read_captions(manifest)]
+        else:
+            docs = [str(r[captioned.data.text_key]) for r in manifest_rows(manifest, captioned.data.text_key)]
         train = range(len(docs))
     digest = hashlib.sha256()
     for i in train:  # the exact training documents decide the tokenizer
@@ -734,12 +756,13 @@ def default_monitor(recipe: RecipeConfig, module: MultiTaskModule) -> tuple[str,
 
 
 def _pretrained_parts(recipe: RecipeConfig):
-    """``module → [modules of kind pretrained: tokenizers, backbone]`` for ``optim.freeze_pretrained_epochs``
+    """``module → [modules of kind pretrained: tokenizers, towers, backbone]`` for ``optim.freeze_pretrained_epochs``
     (heads are left training: a new classifier is what the frozen stage trains).
     Raises ``RecipeError`` when nothing is pretrained or DDP would see unused parameters."""
     m = recipe.model
     names = [n for n, c in m.tokenizers.items() if c.kind == "pretrained"]
-    if not names and m.backbone.kind != "pretrained":
+    towers = [n for n, c in m.towers.items() if c.kind == "pretrained"]
+    if not names and not towers and m.backbone.kind != "pretrained":
         raise RecipeError(
             "optim.freeze_pretrained_epochs freezes parts of kind pretrained; this model has none"
         )
@@ -751,8 +774,10 @@ def _pretrained_parts(recipe: RecipeConfig):
 
     def parts(pl_module):
         model = pl_module.model
-        return [model.tokenizers[n] for n in names] + (
-            [model.backbone] if m.backbone.kind == "pretrained" else []
+        return (
+            [model.tokenizers[n] for n in names]
+            + [model.towers[n] for n in towers]
+            + ([model.backbone] if m.backbone.kind == "pretrained" else [])
         )
 
     return parts

@@ -117,7 +117,11 @@ def describe_model(model, recipe) -> list[str]:
     """Parameter counts per part and FLOPs per sample for each task (counted on the eager path)."""
     from .models import count_flops
 
-    tables = ("tokenizers", "backbone", "towers", "heads") if len(model.towers) else ("tokenizers", "backbone", "heads")
+    tables = (
+        ("tokenizers", "backbone", "towers", "heads")
+        if len(model.towers)
+        else ("tokenizers", "backbone", "heads")
+    )
     parts = {p: sum(x.numel() for x in getattr(model, p).parameters()) for p in tables}
     total = sum(x.numel() for x in model.parameters())  # shared (tied) tensors counted once
     shared = " — tied weights counted once in the total" if total != sum(parts.values()) else ""

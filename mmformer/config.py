@@ -568,6 +568,27 @@ class ImageCaptionDataConfig:
 
 
 @dataclass
+class AudioCaptionDataConfig:
+    """``tasks.<name>.data`` of kind ``audio_caption``: JSONL manifests ``root/<split>.jsonl`` of
+    ``{"audio": path, "text": transcript}``; ``root`` is a path or a bundled name (``asterisk-speech``).
+    The transcripts are read with the task's ``caption_tokenizer``."""
+
+    kind: str = "audio_caption"
+    root: str = MISSING
+    train_split: str = "train"
+    val_split: str = "test"
+    text_key: str = "text"
+    max_len: int = 48  # transcript tokens, BOS/EOS included; longer ones are cut
+    batch_size: int = 32
+    val_batch_size: Optional[int] = None
+    num_workers: int = 0
+    drop_last: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_len", "batch_size", "val_batch_size")
+
+
+@dataclass
 class ProjectionHeadConfig:
     """``model.heads.<name>`` of kind ``projection``: pooled hidden state → shared embedding space
     (``mmformer.models.ProjectionHead``), read by a contrastive task."""
@@ -906,7 +927,10 @@ def _check_references(recipe: RecipeConfig) -> None:
                 f"model.tokenizers has {', '.join(recipe.model.tokenizers) or 'none'}.{hint}"
             )
     for name, task in recipe.tasks.items():
-        for attr, table in (("caption_tokenizer", recipe.model.tokenizers), ("caption_head", recipe.model.heads)):
+        for attr, table in (
+            ("caption_tokenizer", recipe.model.tokenizers),
+            ("caption_head", recipe.model.heads),
+        ):
             ref = getattr(task, attr, None)
             if ref is not None and ref not in table:
                 close = difflib.get_close_matches(ref, table, n=1)

@@ -2,7 +2,8 @@
 (paths relative to ``root``), e.g. the bundled ``emoji`` set.
 
 Batches: ``image (B, C, H, W)`` uint8, ``caption (B, L)`` long (BOS … EOS, right-padded with the pad id),
-``caption_valid (B, L)`` bool (True = real token), ``caption_text`` (the strings) and, with a
+``caption_valid (B, L)`` bool (True = real token), ``caption_text`` (the strings), ``caption_id (B,)``
+long (equal for equal captions within the split) and, with a
 ``label_key``, ``label (B,)`` long: the index of the row's class in ``root/<label_key>.json``
 (``{class name: [prompt, …]}``, the zero-shot classes), -1 for a row without one. Captions decoded once,
 images once per epoch (or cached).
@@ -61,8 +62,8 @@ def read_class_prompts(root: Path, label_key: str) -> dict[str, list[str]]:
 
 
 class ImageCaptions(Dataset):
-    """Items ``{"image": (C, H, W) uint8, "ids": [caption token ids], "caption": str}``, plus
-    ``"label": int`` when ``labels`` are given."""
+    """Items ``{"image": (C, H, W) uint8, "ids": [caption token ids], "caption": str, "caption_id": int}``,
+    plus ``"label": int`` when ``labels`` are given."""
 
     def __init__(
         self,
@@ -73,6 +74,8 @@ class ImageCaptions(Dataset):
         labels: list[int] | None = None,
     ):
         self.rows, self.ids, self.preprocess, self.labels = rows, ids, preprocess, labels
+        distinct: dict[str, int] = {}
+        self.caption_ids = [distinct.setdefault(caption, len(distinct)) for _, caption in rows]
         self.cache: dict[int, torch.Tensor] | None = {} if cache else None
 
     def __len__(self) -> int:
@@ -89,7 +92,12 @@ class ImageCaptions(Dataset):
                 raise DataError(f"unreadable image {path}: {e}") from None
             if self.cache is not None:
                 self.cache[i] = pixels
-        item = {"image": self.preprocess.augment(pixels), "ids": self.ids[i], "caption": self.rows[i][1]}
+        item = {
+            "image": self.preprocess.augment(pixels),
+            "ids": self.ids[i],
+            "caption": self.rows[i][1],
+            "caption_id": self.caption_ids[i],
+        }
         if self.labels is not None:
             item["label"] = self.labels[i]
         return item
@@ -102,6 +110,7 @@ def collate_captions(samples: list[dict], pad_id: int) -> dict:
         "caption": ids,
         "caption_valid": valid,
         "caption_text": [s["caption"] for s in samples],
+        "caption_id": torch.tensor([s["caption_id"] for s in samples], dtype=torch.long),
     }
     if "label" in samples[0]:
         batch["label"] = torch.tensor([s["label"] for s in samples], dtype=torch.long)

@@ -29,6 +29,7 @@ from .speech import (
     ASTERISK_TRANSCRIPTS,
     build_asterisk_en,
     build_asterisk_prompts,
+    build_asterisk_speech,
     build_spoken_words,
 )
 
@@ -293,6 +294,14 @@ BUNDLED: dict[str, Bundled] = {
         lambda out: build_asterisk_en(out),
         needs=(str(ASTERISK_DIR / "digits/7.wav"), str(ASTERISK_TRANSCRIPTS)),
         install="apt-get install asterisk-core-sounds-en-wav asterisk-core-sounds-en",
+    ),
+    "asterisk-speech": Bundled(
+        "asterisk-speech",
+        "spoken prompts ↔ transcripts in the fixed split: REAL test clips; REAL train clips + SYNTHETIC TTS "
+        "renderings of the train transcripts (apt espeak-ng flite asterisk-core-sounds-en-wav)",
+        lambda out: build_asterisk_speech(out),
+        needs=("espeak-ng", "flite", str(ASTERISK_DIR / "vm-intro.wav"), str(ASTERISK_TRANSCRIPTS)),
+        install="apt-get install espeak-ng flite asterisk-core-sounds-en-wav asterisk-core-sounds-en",
     ),
     "asterisk-prompts": Bundled(
         "asterisk-prompts",

@@ -5,6 +5,8 @@ renderings of the same words with two TTS engines.
   the tens (``digits/``), the letters (``letters/``) and the NATO alphabet (``phonetic/``): 80 words.
   ``train/<word>/*.wav`` are **synthetic** (espeak-ng and flite, many voices, speeds and pitches);
   ``test/<word>/<name>.wav`` are the 80 **real human recordings** (one speaker, 8 kHz telephone audio).
+* ``asterisk-speech``: real recordings with transcripts in that split, the train part joined by TTS
+  renderings of its transcripts (audio–text pairs).
 * ``asterisk-en``: all 568 real recordings with their transcripts, as JSONL manifests under DATA.md's
   one fixed split: the single-word clips above are test-only; every other clip goes to ``train`` or
   ``test`` by a stable hash of its name (70 % / 30 %). Every task uses this split, so no task's test
@@ -215,30 +217,16 @@ def _to_telephone_rate(path: Path) -> None:
     sf.write(path, wave.clamp(-1, 1).numpy(), TELEPHONE_RATE, subtype="PCM_16")
 
 
-def build_asterisk_prompts(out: Path, n_espeak: int = 6, n_flite: int = 2, seed: int = 0) -> None:
-    """Spoken prompt → Asterisk application (voicemail, conference, queue, …: 9 classes).
-
-    ``test.jsonl``: the REAL recordings of the fixed split's test part. ``train.jsonl``: the REAL
-    recordings of its train part, plus ``n_espeak`` espeak-ng and ``n_flite`` flite renderings of each of
-    those train transcripts (``tts/<application>/*.wav``, ``"synthetic": true``), resampled to the real
-    clips' 8 kHz telephone rate. No test transcript is
-    rendered, so no test prompt's words reach training. Rows: ``{"audio", "text", "label", "name",
-    "synthetic"}``."""
-    for tool in ("espeak-ng", "flite"):
-        if shutil.which(tool) is None:
-            raise DataError(f"the {tool!r} TTS program is missing; install it with: apt-get install {tool}")
-    rows: dict[str, list[dict]] = {"train": [], "test": []}
-    single = {str(p.relative_to(ASTERISK_DIR).with_suffix("")) for p in spoken_word_clips().values()}
-    for name, text in sorted(asterisk_transcripts().items()):
-        app, path = prompt_application(name), ASTERISK_DIR / f"{name}.wav"
-        if app is None or name in single or not path.is_file():
-            continue
-        split = asterisk_split(name)
-        rows[split].append({"audio": str(path), "text": text, "label": app, "name": name, "synthetic": False})
+def _render_transcripts(
+    rows: list[dict], out: Path, folder_of, n_espeak: int, n_flite: int, seed: int
+) -> list[dict]:
+    """``n_espeak`` espeak-ng and ``n_flite`` flite renderings of each row's transcript (voices, speeds and
+    pitches drawn with ``seed``), resampled to 8 kHz, under ``out/tts/<folder_of(row)>/``; returns their
+    rows (the source row with the new ``audio`` path, relative to ``out``, and ``"synthetic": true``)."""
     rng = random.Random(seed)
     synthetic = []
-    for row in rows["train"]:
-        folder = out / "tts" / row["label"]
+    for row in rows:
+        folder = out / "tts" / folder_of(row)
         folder.mkdir(parents=True, exist_ok=True)
         text, stem = _prompt_tts_text(row["text"]), row["name"].replace("/", "-")
         for i in range(n_espeak + n_flite):
@@ -251,6 +239,66 @@ def build_asterisk_prompts(out: Path, n_espeak: int = 6, n_flite: int = 2, seed:
                 _flite(text, wav, voice, round(rng.uniform(0.85, 1.25), 2), rng.randint(80, 200))
             _to_telephone_rate(wav)
             synthetic.append({**row, "audio": str(wav.relative_to(out)), "synthetic": True})
+    return synthetic
+
+
+def _need_tts() -> None:
+    for tool in ("espeak-ng", "flite"):
+        if shutil.which(tool) is None:
+            raise DataError(f"the {tool!r} TTS program is missing; install it with: apt-get install {tool}")
+
+
+def build_asterisk_speech(out: Path, n_espeak: int = 4, n_flite: int = 2, seed: int = 0) -> None:
+    """Speech ↔ transcript pairs in the fixed split (audio–text contrastive learning, speech recognition).
+
+    ``test.jsonl``: every REAL recording of the split's test part (the 80 single words and the other test
+    prompts). ``train.jsonl``: the REAL recordings of its train part plus ``n_espeak`` espeak-ng and
+    ``n_flite`` flite renderings of each of their transcripts (``tts/``, 8 kHz like the real clips). No
+    test transcript is rendered. Rows: ``{"audio", "text" (the transcript as spoken: stage notes
+    dropped, keypad symbols as words), "name", "synthetic"}``."""
+    _need_tts()
+    transcripts = asterisk_transcripts()
+    single = {str(p.relative_to(ASTERISK_DIR).with_suffix("")) for p in spoken_word_clips().values()}
+    rows: dict[str, list[dict]] = {"train": [], "test": []}
+    for name, text in sorted(transcripts.items()):
+        path, spoken = ASTERISK_DIR / f"{name}.wav", _prompt_tts_text(text)
+        if not path.is_file() or not spoken:
+            continue
+        split = "test" if name in single else asterisk_split(name)
+        rows[split].append({"audio": str(path), "text": spoken, "name": name, "synthetic": False})
+    synthetic = _render_transcripts(rows["train"], out, lambda r: "", n_espeak, n_flite, seed)
+    n_real = len(rows["train"])
+    rows["train"] += synthetic
+    for split, split_rows in rows.items():
+        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in split_rows))
+    (out / "README.md").write_text(
+        "asterisk-speech: spoken English prompts with their transcripts, in the fixed asterisk-en split.\n"
+        f"train.jsonl: {n_real} REAL recordings + {len(synthetic)} SYNTHETIC renderings of their transcripts "
+        f"({n_espeak} espeak-ng + {n_flite} flite each, seed {seed}, 8 kHz) under tts/.\n"
+        f"test.jsonl: {len(rows['test'])} REAL recordings (single words and prompts); no test transcript is "
+        "rendered.\n"
+    )
+
+
+def build_asterisk_prompts(out: Path, n_espeak: int = 6, n_flite: int = 2, seed: int = 0) -> None:
+    """Spoken prompt → Asterisk application (voicemail, conference, queue, …: 9 classes).
+
+    ``test.jsonl``: the REAL recordings of the fixed split's test part. ``train.jsonl``: the REAL
+    recordings of its train part, plus ``n_espeak`` espeak-ng and ``n_flite`` flite renderings of each of
+    those train transcripts (``tts/<application>/*.wav``, ``"synthetic": true``), resampled to the real
+    clips' 8 kHz telephone rate. No test transcript is
+    rendered, so no test prompt's words reach training. Rows: ``{"audio", "text", "label", "name",
+    "synthetic"}``."""
+    _need_tts()
+    rows: dict[str, list[dict]] = {"train": [], "test": []}
+    single = {str(p.relative_to(ASTERISK_DIR).with_suffix("")) for p in spoken_word_clips().values()}
+    for name, text in sorted(asterisk_transcripts().items()):
+        app, path = prompt_application(name), ASTERISK_DIR / f"{name}.wav"
+        if app is None or name in single or not path.is_file():
+            continue
+        split = asterisk_split(name)
+        rows[split].append({"audio": str(path), "text": text, "label": app, "name": name, "synthetic": False})
+    synthetic = _render_transcripts(rows["train"], out, lambda r: r["label"], n_espeak, n_flite, seed)
     rows["train"] += synthetic
     for split, split_rows in rows.items():
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in split_rows))

@@ -60,7 +60,9 @@ class MultimodalModel(nn.Module):
             raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
         out = self.tokenizers[tokenizer](inputs, **kwargs)
         tokens, cond = out if isinstance(out, tuple) else (out, None)  # DiT: (Tokens, cond (B, Dc))
-        hidden = self.backbone_of(tokenizer)(tokens, cache=cache, **({"cond": cond} if cond is not None else {}))
+        hidden = self.backbone_of(tokenizer)(
+            tokens, cache=cache, **({"cond": cond} if cond is not None else {})
+        )
         return hidden, tokens, cond
 
     def forward(self, inputs: Tensor, tokenizer: str, head: str, cache=None, **tokenizer_kwargs) -> Tensor:

@@ -2,8 +2,10 @@
 embedded by their own tokenizer → backbone (or tower) → projection head, and pulled together against
 every other pair of the global batch (``contrastive_loss``).
 
-Batch keys: ``image`` (or ``audio``), ``caption (B, L)`` long with ``caption_valid (B, L)`` bool (True =
-real token), optionally ``label (B,)`` long (a class per item for zero-shot classification, -1 = none).
+Batch keys: ``image`` (or ``audio`` with ``audio_valid``), ``caption (B, L)`` long with ``caption_valid
+(B, L)`` bool (True = real token), optionally ``label (B,)`` long (a class per item for zero-shot
+classification, -1 = none) and ``caption_id (B,)`` long (equal for equal caption texts, which retrieval
+then treats as interchangeable).
 
 Validation reports the in-batch ``loss`` and, over the whole held-out set (embeddings gathered from every
 rank), retrieval recall@1 / @5 in both directions — ``i2t`` ranks every held-out caption for each input,
@@ -27,15 +29,24 @@ from .contrastive_loss import clip_loss, siglip_loss
 LOSSES = ("clip", "siglip")
 
 
-def retrieval_recall(a: Tensor, b: Tensor, ks: tuple[int, ...] = (1, 5)) -> dict[str, float]:
-    """Recall@k of paired rows: ``a`` ``(N, E)`` and ``b`` ``(N, E)`` L2-normalised, row i of each the
-    other's only match. ``a2b_recall@k`` is the fraction of rows of ``a`` whose match is among the k most
-    similar rows of ``b`` (ties count against the match), likewise ``b2a``."""
+def retrieval_recall(
+    a: Tensor, b: Tensor, ks: tuple[int, ...] = (1, 5), same: Tensor | None = None
+) -> dict[str, float]:
+    """Recall@k of paired rows: ``a`` ``(N, E)`` and ``b`` ``(N, E)`` L2-normalised, row i of each paired
+    with row i of the other. ``a2b_recall@k`` is the fraction of rows of ``a`` whose pair is among the k
+    most similar rows of ``b`` (ties count against it), likewise ``b2a``.
+
+    ``same``: optional ``(N,)`` long ids; rows with equal ids are interchangeable (two clips with one
+    transcript): each counts as a match for the other, and the best-scoring match decides the rank."""
     sim = a.float() @ b.float().T  # (N, N)
+    n = sim.shape[0]
+    match = torch.eye(n, dtype=torch.bool, device=sim.device)
+    if same is not None:
+        match = same.unsqueeze(0) == same.unsqueeze(1)
     out = {}
     for name, s in (("a2b", sim), ("b2a", sim.T)):
-        positive = s.diagonal().unsqueeze(1)
-        rank = (s >= positive).sum(1) - 1  # others scoring at least as high as the match
+        best = s.masked_fill(~match, -torch.inf).amax(1, keepdim=True)  # the best-scoring match
+        rank = ((s >= best) & ~match).sum(1)  # non-matches scoring at least as high
         for k in ks:
             out[f"{name}_recall@{k}"] = float((rank < k).float().mean())
     return out
@@ -49,7 +60,10 @@ def zero_shot_accuracy(emb: Tensor, class_emb: Tensor, labels: Tensor) -> dict[s
         return {}
     pred, y = (emb[keep].float() @ class_emb.float().T).argmax(1), labels[keep]
     recalls = [float((pred[y == c] == c).float().mean()) for c in y.unique()]
-    return {"zero_shot_acc": float((pred == y).float().mean()), "zero_shot_balanced_acc": sum(recalls) / len(recalls)}
+    return {
+        "zero_shot_acc": float((pred == y).float().mean()),
+        "zero_shot_balanced_acc": sum(recalls) / len(recalls),
+    }
 
 
 class ContrastiveTask(nn.Module):
@@ -93,7 +107,9 @@ class ContrastiveTask(nn.Module):
         self.loss_kind, self.gather = loss, gather
         temperature = init_temperature or (0.07 if loss == "clip" else 0.1)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)), learn_temperature)
-        self.logit_bias = nn.Parameter(torch.tensor(float(init_bias)), learn_temperature) if loss == "siglip" else None
+        self.logit_bias = (
+            nn.Parameter(torch.tensor(float(init_bias)), learn_temperature) if loss == "siglip" else None
+        )
         if prompts is not None:
             ids, valid, classes = prompts
             self.register_buffer("prompt_ids", ids, persistent=False)
@@ -103,7 +119,14 @@ class ContrastiveTask(nn.Module):
         self.class_emb: Tensor | None = None
         self.val_metrics = nn.ModuleDict({"loss": MeanMetric()})
         # whole-set embeddings, concatenated over ranks at compute()
-        self.held_out = nn.ModuleDict({"inputs": CatMetric(), "captions": CatMetric(), "labels": CatMetric()})
+        self.held_out = nn.ModuleDict(
+            {
+                "inputs": CatMetric(),
+                "captions": CatMetric(),
+                "labels": CatMetric(),
+                "caption_ids": CatMetric(),
+            }
+        )
         self.epoch_metric_names = ["recall@1", "i2t_recall@1", "i2t_recall@5", "t2i_recall@1", "t2i_recall@5"]
         if self.has_prompts:
             self.epoch_metric_names += ["zero_shot_acc", "zero_shot_balanced_acc"]
@@ -112,9 +135,11 @@ class ContrastiveTask(nn.Module):
         return batch["caption"].shape[0]
 
     # ------------------------------------------------------------------ embeddings
-    def embed_inputs(self, model: MultimodalModel, inputs: Tensor) -> Tensor:
-        """``(B, …)`` images or waves → ``(B, E)`` L2-normalised float embeddings."""
-        return F.normalize(model(inputs, self.tokenizer, self.head).float(), dim=-1)
+    def embed_inputs(self, model: MultimodalModel, inputs: Tensor, valid: Tensor | None = None) -> Tensor:
+        """``(B, …)`` images or waves (with ``valid``: ``(B, S)`` bool, True = real sample) → ``(B, E)``
+        L2-normalised float embeddings."""
+        kwargs = {"valid": valid} if valid is not None else {}
+        return F.normalize(model(inputs, self.tokenizer, self.head, **kwargs).float(), dim=-1)
 
     def embed_captions(self, model: MultimodalModel, ids: Tensor, valid: Tensor) -> Tensor:
         """``ids (B, L)`` long with ``valid (B, L)`` bool → ``(B, E)`` L2-normalised float embeddings."""
@@ -127,7 +152,7 @@ class ContrastiveTask(nn.Module):
 
     # ------------------------------------------------------------------ objective
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
-        a = self.embed_inputs(model, batch[self.input_key])
+        a = self.embed_inputs(model, batch[self.input_key], batch.get(f"{self.input_key}_valid"))
         b = self.embed_captions(model, batch["caption"], batch["caption_valid"])
         return self._loss(a, b, self.gather)
 
@@ -142,13 +167,15 @@ class ContrastiveTask(nn.Module):
             self.class_emb = F.normalize(sums, dim=-1)
 
     def validation_update(self, model: MultimodalModel, batch: dict) -> None:
-        a = self.embed_inputs(model, batch[self.input_key])
+        a = self.embed_inputs(model, batch[self.input_key], batch.get(f"{self.input_key}_valid"))
         b = self.embed_captions(model, batch["caption"], batch["caption_valid"])
         self.val_metrics["loss"].update(self._loss(a, b, gather=False))  # shards may differ in size
         self.held_out["inputs"].update(a)
         self.held_out["captions"].update(b)
-        labels = batch.get("label")
-        self.held_out["labels"].update(labels if labels is not None else torch.full_like(b[:, 0], -1))
+        none = torch.full_like(b[:, 0], -1)
+        labels, caption_ids = batch.get("label"), batch.get("caption_id")
+        self.held_out["labels"].update(labels if labels is not None else none)
+        self.held_out["caption_ids"].update(caption_ids if caption_ids is not None else none)
 
     def epoch_metrics(self) -> dict[str, float]:
         """The whole-set metrics of this validation (every rank gets the same values); resets the store."""
@@ -156,9 +183,10 @@ class ContrastiveTask(nn.Module):
             return {}
         a, b = self.held_out["inputs"].compute(), self.held_out["captions"].compute()
         labels = self.held_out["labels"].compute().long()
+        same = self.held_out["caption_ids"].compute().long()  # equal captions are interchangeable
         for m in self.held_out.values():
             m.reset()
-        r = retrieval_recall(a, b)
+        r = retrieval_recall(a, b, same=same if bool((same >= 0).all()) else None)
         out = {k.replace("a2b", "i2t").replace("b2a", "t2i"): v for k, v in r.items()}
         out["recall@1"] = 0.5 * (out["i2t_recall@1"] + out["t2i_recall@1"])
         if self.has_prompts and self.class_emb is not None:

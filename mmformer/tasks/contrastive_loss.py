@@ -73,9 +73,7 @@ def clip_loss(a: Tensor, b: Tensor, logit_scale: Tensor, gather: bool = True) ->
     return 0.5 * (F.cross_entropy(logits_ab, labels) + F.cross_entropy(logits_ba, labels))
 
 
-def siglip_loss(
-    a: Tensor, b: Tensor, logit_scale: Tensor, logit_bias: Tensor, gather: bool = True
-) -> Tensor:
+def siglip_loss(a: Tensor, b: Tensor, logit_scale: Tensor, logit_bias: Tensor, gather: bool = True) -> Tensor:
     """Pairwise sigmoid loss: ``-1/n Σ_ij log σ(z_ij (exp(t') a_i·b_j + bias))`` with ``z_ij = 1`` for
     the pairs and ``-1`` otherwise, ``n`` the global batch size (SigLIP initialises ``t' = log 10`` and
     ``bias = -10``).

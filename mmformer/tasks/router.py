@@ -121,7 +121,10 @@ class MultiTaskModule(L.LightningModule):
         for name, task in self.tasks.items():
             hook = getattr(task, "epoch_metrics", None)
             for metric, value in (hook() if hook is not None else {}).items():
-                self.log(f"val/{name}/{metric}", value, prog_bar=metric == task.main_metric[0])
+                # every rank holds the same value; sync_dist averages identical numbers (no warning)
+                self.log(
+                    f"val/{name}/{metric}", value, prog_bar=metric == task.main_metric[0], sync_dist=True
+                )
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
@@ -133,7 +136,13 @@ class MultiTaskModule(L.LightningModule):
         extra = [p for p in self.tasks.parameters() if p.requires_grad]  # e.g. a learned temperature
         if extra:
             optimizer.add_param_group(
-                {"params": extra, "weight_decay": 0.0, "name": "task", "lr_scale": 1.0, "lr": self.optim_cfg.lr}
+                {
+                    "params": extra,
+                    "weight_decay": 0.0,
+                    "name": "task",
+                    "lr_scale": 1.0,
+                    "lr": self.optim_cfg.lr,
+                }
             )
         total = self.trainer.estimated_stepping_batches
         if total == float("inf"):

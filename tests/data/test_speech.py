@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
+import torch
 
 from mmformer.data.prepare import BUNDLED
 from mmformer.data.speech import (
@@ -14,6 +15,7 @@ from mmformer.data.speech import (
     asterisk_split,
     build_asterisk_en,
     build_asterisk_prompts,
+    build_asterisk_speech,
     prompt_application,
     spoken_word_clips,
 )
@@ -53,6 +55,67 @@ def asterisk(tmp_path_factory):
     build_asterisk_en(en)
     build_asterisk_prompts(prompts, n_espeak=1, n_flite=1)
     return en, prompts
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory):
+    missing = BUNDLED["asterisk-speech"].missing()
+    if missing:
+        pytest.skip(missing)
+    en, out = tmp_path_factory.mktemp("asterisk-en"), tmp_path_factory.mktemp("asterisk-speech")
+    build_asterisk_en(en)
+    build_asterisk_speech(out, n_espeak=1, n_flite=0)
+    return en, out
+
+
+def test_asterisk_speech_pairs_follow_the_split_and_render_only_train_transcripts(speech):
+    en, out = speech
+    en_split = {r["label"]: split for split in ("train", "test") for r in _rows(en / f"{split}.jsonl")}
+    train, test = _rows(out / "train.jsonl"), _rows(out / "test.jsonl")
+    real_train = [r for r in train if not r["synthetic"]]
+    assert {r["name"] for r in real_train} == {n for n, s in en_split.items() if s == "train"} - {
+        r["name"] for r in real_train if not r["text"]
+    }
+    assert {r["name"] for r in test} <= {n for n, s in en_split.items() if s == "test"}
+    assert len(test) >= 220 and not any(r["synthetic"] for r in test)
+    synthetic = [r for r in train if r["synthetic"]]
+    assert len(synthetic) == len(real_train)  # one rendering each here
+    assert {r["text"] for r in synthetic} == {r["text"] for r in real_train}
+    seven = next(r for r in test if r["name"] == "digits/7")
+    assert seven["text"].lower().rstrip(".") == "seven"
+
+
+def test_audio_caption_batches_pair_each_clip_with_its_transcript(speech):
+    from types import SimpleNamespace
+
+    from mmformer.data.audio_caption import audio_caption_data
+    from mmformer.tokenizers.audio import AudioPreprocess
+    from mmformer.tokenizers.text import TextTokenizer
+
+    _, out = speech
+    texts = [r["text"] for r in _rows(out / "train.jsonl")]
+    tok = TextTokenizer.train(texts, vocab_size=300)
+    cfg = SimpleNamespace(
+        root=str(out),
+        train_split="train",
+        val_split="test",
+        text_key="text",
+        max_len=16,
+        batch_size=4,
+        val_batch_size=None,
+        num_workers=0,
+        drop_last=True,
+    )
+    data = audio_caption_data(cfg, (AudioPreprocess(16_000, 4.0), AudioPreprocess(16_000, 4.0)), tok)
+    rows = _rows(out / "test.jsonl")
+    batch = data.collate([data.val[i] for i in range(3)])
+    assert batch["audio"].shape[0] == 3 and batch["audio_valid"].dtype == torch.bool
+    assert batch["caption_text"] == [r["text"] for r in rows[:3]]
+    assert batch["caption"].shape[1] <= 16 and (batch["caption"][:, 0] == tok.bos_id).all()
+    for i in range(3):  # each clip's length is its own, its transcript decodes back
+        assert int(batch["audio_valid"][i].sum()) == data.val[i]["audio"].shape[0]
+        ids = batch["caption"][i][batch["caption_valid"][i]].tolist()
+        assert tok.decode(ids, skip_special=True).strip() == rows[i]["text"] or len(ids) == 16
 
 
 def test_asterisk_en_split(asterisk):

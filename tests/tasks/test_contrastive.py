@@ -5,7 +5,6 @@ per-modality towers, and padding invariance of the caption embeddings."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -21,7 +20,9 @@ from mmformer.tokenizers.text import TextEmbedding
 
 def _pairs(n: int, e: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(n, e, generator=g), dim=-1), F.normalize(torch.randn(n, e, generator=g), dim=-1)
+    return F.normalize(torch.randn(n, e, generator=g), dim=-1), F.normalize(
+        torch.randn(n, e, generator=g), dim=-1
+    )
 
 
 def test_clip_loss_equals_the_closed_form():
@@ -131,7 +132,9 @@ def test_gathering_without_gradients_would_be_wrong():
         other_a[rows] = a[rows]
         s = scale.exp()
         lab = torch.arange(B) + r * B
-        loss = 0.5 * (F.cross_entropy(s * a[rows] @ other_b.T, lab) + F.cross_entropy(s * b[rows] @ other_a.T, lab))
+        loss = 0.5 * (
+            F.cross_entropy(s * a[rows] @ other_b.T, lab) + F.cross_entropy(s * b[rows] @ other_a.T, lab)
+        )
         detached.append(torch.autograd.grad(loss, enc_a.weight, retain_graph=True)[0])
     assert not torch.allclose(sum(detached) / W, full, atol=1e-4)
 
@@ -165,7 +168,10 @@ def _model(towers: bool = False) -> MultimodalModel:
     text = TextEmbedding(50, text_width, 12)
     backbone = build_backbone(32, 2, 4)
     tower = {"caption": build_backbone(16, 1, 2)} if towers else None
-    heads = {"image_embed": ProjectionHead(32, 8, "cls", 1), "caption_embed": ProjectionHead(text_width, 8, "mean")}
+    heads = {
+        "image_embed": ProjectionHead(32, 8, "cls", 1),
+        "caption_embed": ProjectionHead(text_width, 8, "mean"),
+    }
     return MultimodalModel({"image": image, "caption": text}, backbone, heads, tower)
 
 
@@ -198,12 +204,18 @@ def test_a_tower_reads_its_tokenizer_and_nothing_else():
     torch.testing.assert_close(task.embed_inputs(model, images), before_img)  # the shared backbone
     assert not torch.allclose(task.embed_captions(model, ids, valid), before_txt)
     with pytest.raises(ValueError, match="name no tokenizer"):
-        MultimodalModel(dict(model.tokenizers), model.backbone, dict(model.heads), {"text": build_backbone(16, 1, 2)})
+        MultimodalModel(
+            dict(model.tokenizers), model.backbone, dict(model.heads), {"text": build_backbone(16, 1, 2)}
+        )
 
 
 def test_validation_gathers_the_whole_set_and_classifies_zero_shot():
     model = _model()
-    prompts = (torch.tensor([[1, 5, 2], [1, 6, 2], [1, 7, 2]]), torch.ones(3, 3, dtype=torch.bool), torch.tensor([0, 0, 1]))
+    prompts = (
+        torch.tensor([[1, 5, 2], [1, 6, 2], [1, 7, 2]]),
+        torch.ones(3, 3, dtype=torch.bool),
+        torch.tensor([0, 0, 1]),
+    )
     task = _task(prompts)
     task.on_validation_epoch_start(model)
     g = torch.Generator().manual_seed(0)
@@ -212,7 +224,15 @@ def test_validation_gathers_the_whole_set_and_classifies_zero_shot():
     valid = torch.ones_like(ids, dtype=torch.bool)
     labels = torch.tensor([0, 1, 1, 0, -1])
     for rows in (slice(0, 2), slice(2, 5)):  # two batches, scored as one set
-        task.validation_update(model, {"image": images[rows], "caption": ids[rows], "caption_valid": valid[rows], "label": labels[rows]})
+        task.validation_update(
+            model,
+            {
+                "image": images[rows],
+                "caption": ids[rows],
+                "caption_valid": valid[rows],
+                "label": labels[rows],
+            },
+        )
     out = task.epoch_metrics()
     with torch.no_grad():
         a, b = task.embed_inputs(model, images), task.embed_captions(model, ids, valid)
@@ -226,11 +246,13 @@ def test_validation_gathers_the_whole_set_and_classifies_zero_shot():
 
 
 def test_the_temperature_trains_without_weight_decay(tmp_path):
-    from mmformer.tasks.router import MultiTaskModule
     from mmformer.config import OptimConfig
+    from mmformer.tasks.router import MultiTaskModule
 
     task = _task()
-    module = MultiTaskModule(_model(), {"pairs": task}, {"pairs": 1.0}, OptimConfig(weight_decay=0.1, lr=1e-3))
+    module = MultiTaskModule(
+        _model(), {"pairs": task}, {"pairs": 1.0}, OptimConfig(weight_decay=0.1, lr=1e-3)
+    )
     module.trainer = type("T", (), {"estimated_stepping_batches": 10})()  # what configure_optimizers reads
     opt = module.configure_optimizers()["optimizer"]
     (group,) = [g for g in opt.param_groups if g["name"] == "task"]
@@ -263,8 +285,20 @@ trainer: {max_steps: 1}
 @pytest.mark.parametrize(
     "towers, head, embed, build, message",
     [
-        ("{captions: {d_model: 16, n_layers: 1, n_heads: 2}}", "caption_embed", 8, False, "Did you mean 'caption'"),
-        ("{}", "caption_embd", 8, False, "'tasks.pairs.caption_head' refers to 'caption_embd'.*Did you mean 'caption_embed'"),
+        (
+            "{captions: {d_model: 16, n_layers: 1, n_heads: 2}}",
+            "caption_embed",
+            8,
+            False,
+            "Did you mean 'caption'",
+        ),
+        (
+            "{}",
+            "caption_embd",
+            8,
+            False,
+            "'tasks.pairs.caption_head' refers to 'caption_embd'.*Did you mean 'caption_embed'",
+        ),
         ("{}", "caption_embed", 16, True, "must share one embed_dim"),
     ],
 )
@@ -277,3 +311,12 @@ def test_recipe_mistakes_name_the_key(towers, head, embed, build, message):
         recipe = recipe_from_yaml(text)
         if build:
             build_contrastive(recipe.tasks["pairs"], recipe)
+
+
+def test_retrieval_recall_treats_equal_captions_as_one():
+    a = torch.eye(3)
+    b = F.normalize(torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.1], [0.0, 1.0, 0.1]]), dim=-1)
+    # captions 1 and 2 are the same text: image 2 retrieving caption 1 is right, not a miss
+    assert retrieval_recall(a, b, ks=(1,))["a2b_recall@1"] == pytest.approx(1 / 3)  # ties count against
+    r = retrieval_recall(a, b, ks=(1,), same=torch.tensor([0, 1, 1]))
+    assert r["a2b_recall@1"] == pytest.approx(1.0) and r["b2a_recall@1"] == pytest.approx(1.0)

@@ -1,0 +1,72 @@
+"""Audio–caption data: JSONL manifests ``root/<split>.jsonl`` of ``{"audio": path, "text": transcript}``
+(relative paths resolved against ``root``), e.g. the bundled ``asterisk-speech`` set.
+
+Batches: ``audio (B, S)`` float32 and ``audio_valid (B, S)`` bool (right-padded clips, True = real
+sample, as audio classification), ``caption (B, L)`` long (BOS … EOS, right-padded with the pad id),
+``caption_valid (B, L)`` bool, ``caption_text`` (the strings), ``caption_id (B,)`` long (equal for equal
+transcripts within the split). An unreadable clip is reported with its path, replaced by the next
+readable one and counted, as for audio classification.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .audio import AudioClips, collate_audio, manifest_rows
+from .collate import pad_ids
+from .image_caption import encode_captions
+
+
+class AudioCaptions(AudioClips):
+    """Clips with their transcripts: items ``{"audio": (S,) float32, "ids": [token ids], "caption": str,
+    "caption_id": int, "path", "bad_samples"}``."""
+
+    def __init__(self, rows: list[dict], ids: list[list[int]], preprocess, text_key: str = "text"):
+        super().__init__([(r["audio"], i) for i, r in enumerate(rows)], preprocess)
+        self.captions, self.ids = [str(r[text_key]) for r in rows], ids
+        distinct: dict[str, int] = {}
+        self.caption_ids = [distinct.setdefault(c, len(distinct)) for c in self.captions]
+
+    def __getitem__(self, i: int) -> dict:
+        item = super().__getitem__(i)
+        j = item.pop("label")  # the row actually read (an unreadable clip is replaced by the next)
+        return {**item, "ids": self.ids[j], "caption": self.captions[j], "caption_id": self.caption_ids[j]}
+
+
+def collate_audio_captions(samples: list[dict], pad_id: int) -> dict:
+    batch = collate_audio([{**s, "label": 0} for s in samples])
+    del batch["label"]
+    ids, valid = pad_ids([s["ids"] for s in samples], pad_id)
+    batch.update(
+        caption=ids,
+        caption_valid=valid,
+        caption_text=[s["caption"] for s in samples],
+        caption_id=torch.tensor([s["caption_id"] for s in samples], dtype=torch.long),
+    )
+    return batch
+
+
+def audio_caption_data(cfg, preprocess, tokenizer):
+    """``TaskData`` for an ``AudioCaptionDataConfig``; ``preprocess`` is the (train, val) data side of the
+    audio tokenizer, ``tokenizer`` (a ``TextTokenizer``) encodes the transcripts."""
+    from .datamodule import TaskData
+    from .roots import resolve_root
+
+    root = resolve_root(cfg.root)
+
+    def make(split: str, side) -> AudioCaptions:
+        rows = manifest_rows(root / f"{split}.jsonl", cfg.text_key)
+        ids = encode_captions(tokenizer, [str(r[cfg.text_key]) for r in rows], cfg.max_len)
+        return AudioCaptions(rows, ids, side, cfg.text_key)
+
+    return TaskData(
+        train=make(cfg.train_split, preprocess[0]),
+        val=make(cfg.val_split, preprocess[1]),
+        collate=functools.partial(collate_audio_captions, pad_id=tokenizer.pad_id),
+        batch_size=cfg.batch_size,
+        val_batch_size=cfg.val_batch_size or cfg.batch_size,
+        num_workers=cfg.num_workers,
+        drop_last=cfg.drop_last,
+    )
