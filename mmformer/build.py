@@ -455,7 +455,19 @@ def build_contrastive(cfg: ContrastiveTaskConfig, recipe: RecipeConfig) -> Contr
         raise RecipeError(
             f"tokenizer {cfg.tokenizer!r} reads text; a contrastive task pairs images or audio with text"
         )
-    widths = {m.heads[h].embed_dim for h in (cfg.head, cfg.caption_head) if hasattr(m.heads[h], "embed_dim")}
+    for key, head in (("head", cfg.head), ("caption_head", cfg.caption_head)):
+        if m.heads[head].kind != "projection":
+            raise RecipeError(
+                f"tasks.<name>.{key} {head!r} is of kind {m.heads[head].kind}; a contrastive task needs "
+                "kind: projection heads"
+            )
+    bpe_len = getattr(m.tokenizers[cfg.caption_tokenizer], "max_len", None)
+    data_len = getattr(cfg.data, "max_len", None)
+    if bpe_len and data_len and data_len > bpe_len:
+        raise RecipeError(
+            f"data.max_len={data_len} exceeds the caption tokenizer's learned positions (max_len={bpe_len})"
+        )
+    widths = {m.heads[h].embed_dim for h in (cfg.head, cfg.caption_head)}
     if len(widths) > 1:
         raise RecipeError(
             f"heads {cfg.head!r} and {cfg.caption_head!r} must share one embed_dim, got {sorted(widths)}"

@@ -926,6 +926,24 @@ def _check_references(recipe: RecipeConfig) -> None:
                 f"'model.towers.{name}' names no tokenizer (a tower reads one tokenizer's tokens): "
                 f"model.tokenizers has {', '.join(recipe.model.tokenizers) or 'none'}.{hint}"
             )
+    if recipe.model.towers:
+        if recipe.model.lora is not None:
+            raise RecipeError(
+                "'model.lora' adapts the shared backbone only; it cannot be combined with towers yet"
+            )
+        if set(recipe.model.towers) >= set(recipe.model.tokenizers):
+            raise RecipeError(
+                "every tokenizer has a tower, so the shared 'model.backbone' would read nothing: give one "
+                "modality the shared backbone (remove its entry from model.towers)"
+            )
+        for task in recipe.tasks.values():
+            if task.kind == "diffusion":
+                for attr in ("tokenizer", "caption_tokenizer"):
+                    if getattr(task, attr, None) in recipe.model.towers:
+                        raise RecipeError(
+                            f"'model.towers.{getattr(task, attr)}': a diffusion task reads its tokenizers "
+                            "through the shared adaLN backbone (captions are pooled embeddings); remove the tower"
+                        )
     for name, task in recipe.tasks.items():
         for attr, table in (
             ("caption_tokenizer", recipe.model.tokenizers),

@@ -3,8 +3,8 @@
 
 Batches: ``audio (B, S)`` float32 and ``audio_valid (B, S)`` bool (right-padded clips, True = real
 sample, as audio classification), ``caption (B, L)`` long (BOS … EOS, right-padded with the pad id),
-``caption_valid (B, L)`` bool, ``caption_text`` (the strings), ``caption_id (B,)`` long (equal for equal
-transcripts within the split). An unreadable clip is reported with its path, replaced by the next
+``caption_valid (B, L)`` bool, ``caption_text`` (the strings), ``caption_id (B,)`` long (equal for
+transcripts with equal token ids within the split). An unreadable clip is reported with its path, replaced by the next
 readable one and counted, as for audio classification.
 """
 
@@ -26,8 +26,8 @@ class AudioCaptions(AudioClips):
     def __init__(self, rows: list[dict], ids: list[list[int]], preprocess, text_key: str = "text"):
         super().__init__([(r["audio"], i) for i, r in enumerate(rows)], preprocess)
         self.captions, self.ids = [str(r[text_key]) for r in rows], ids
-        distinct: dict[str, int] = {}
-        self.caption_ids = [distinct.setdefault(c, len(distinct)) for c in self.captions]
+        distinct: dict[tuple[int, ...], int] = {}  # equal token ids (after cutting), equal caption
+        self.caption_ids = [distinct.setdefault(tuple(x), len(distinct)) for x in ids]
 
     def __getitem__(self, i: int) -> dict:
         item = super().__getitem__(i)

@@ -3,7 +3,7 @@
 
 Batches: ``image (B, C, H, W)`` uint8, ``caption (B, L)`` long (BOS … EOS, right-padded with the pad id),
 ``caption_valid (B, L)`` bool (True = real token), ``caption_text`` (the strings), ``caption_id (B,)``
-long (equal for equal captions within the split) and, with a
+long (equal for captions with equal token ids within the split) and, with a
 ``label_key``, ``label (B,)`` long: the index of the row's class in ``root/<label_key>.json``
 (``{class name: [prompt, …]}``, the zero-shot classes), -1 for a row without one. Captions decoded once,
 images once per epoch (or cached).
@@ -74,8 +74,8 @@ class ImageCaptions(Dataset):
         labels: list[int] | None = None,
     ):
         self.rows, self.ids, self.preprocess, self.labels = rows, ids, preprocess, labels
-        distinct: dict[str, int] = {}
-        self.caption_ids = [distinct.setdefault(caption, len(distinct)) for _, caption in rows]
+        distinct: dict[tuple[int, ...], int] = {}  # equal token ids (after cutting), equal caption
+        self.caption_ids = [distinct.setdefault(tuple(x), len(distinct)) for x in ids]
         self.cache: dict[int, torch.Tensor] | None = {} if cache else None
 
     def __len__(self) -> int:

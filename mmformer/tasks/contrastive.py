@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torchmetrics import CatMetric, MeanMetric
 
 from ..models.model import MultimodalModel
-from .contrastive_loss import clip_loss, siglip_loss
+from .contrastive_loss import MAX_LOGIT_SCALE, clip_loss, siglip_loss
 
 LOSSES = ("clip", "siglip")
 
@@ -145,16 +145,22 @@ class ContrastiveTask(nn.Module):
         """``ids (B, L)`` long with ``valid (B, L)`` bool → ``(B, E)`` L2-normalised float embeddings."""
         return F.normalize(model(ids, self.caption_tokenizer, self.caption_head, valid=valid).float(), dim=-1)
 
-    def _loss(self, a: Tensor, b: Tensor, gather: bool) -> Tensor:
+    def _loss(self, a: Tensor, b: Tensor, gather: bool, ids: Tensor | None) -> Tensor:
         if self.loss_kind == "clip":
-            return clip_loss(a, b, self.logit_scale, gather)
-        return siglip_loss(a, b, self.logit_scale, self.logit_bias, gather)
+            return clip_loss(a, b, self.logit_scale, gather, ids)
+        return siglip_loss(a, b, self.logit_scale, self.logit_bias, gather, ids)
 
     # ------------------------------------------------------------------ objective
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
         a = self.embed_inputs(model, batch[self.input_key], batch.get(f"{self.input_key}_valid"))
         b = self.embed_captions(model, batch["caption"], batch["caption_valid"])
-        return self._loss(a, b, self.gather)
+        return self._loss(a, b, self.gather, batch.get("caption_id"))
+
+    def after_optimizer_step(self) -> None:
+        """Clip the learned temperature in place (OpenCLIP): a forward-only clamp would stop its gradient
+        for good once an update overshoots."""
+        with torch.no_grad():
+            self.logit_scale.clamp_(0.0, MAX_LOGIT_SCALE)
 
     def on_validation_epoch_start(self, model: MultimodalModel) -> None:
         """Embed the zero-shot classes with the validation weights (the EMA ones when kept)."""
@@ -169,7 +175,9 @@ class ContrastiveTask(nn.Module):
     def validation_update(self, model: MultimodalModel, batch: dict) -> None:
         a = self.embed_inputs(model, batch[self.input_key], batch.get(f"{self.input_key}_valid"))
         b = self.embed_captions(model, batch["caption"], batch["caption_valid"])
-        self.val_metrics["loss"].update(self._loss(a, b, gather=False))  # shards may differ in size
+        self.val_metrics["loss"].update(
+            self._loss(a, b, False, batch.get("caption_id"))
+        )  # shards may differ in size
         self.held_out["inputs"].update(a)
         self.held_out["captions"].update(b)
         none = torch.full_like(b[:, 0], -1)

@@ -11,6 +11,7 @@ Checkpoints carry the resolved recipe as plain YAML text and the RNG states, so 
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import lightning as L
@@ -113,8 +114,23 @@ class MultiTaskModule(L.LightningModule):
         # classes (with the EMA weights when kept: callbacks swap them in before this hook)
         for task in self.tasks.values():
             hook = getattr(task, "on_validation_epoch_start", None)
+            if hook is not None:  # (model) or, in users' tasks written before it took one, ()
+                hook(self.model) if inspect.signature(hook).parameters else hook()
+
+    def on_train_epoch_start(self) -> None:
+        # A tower or tokenizer frozen whole (a locked pretrained text encoder) runs in eval mode: its
+        # dropout would only add noise to features it never learns from. FreezePretrained (a callback,
+        # run before this hook) decides what is frozen this epoch.
+        for part in [*self.model.towers.values(), *self.model.tokenizers.values()]:
+            params = list(part.parameters())
+            if params:
+                part.train(any(p.requires_grad for p in params))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        for task in self.tasks.values():  # e.g. clip a learned temperature after the update
+            hook = getattr(task, "after_optimizer_step", None)
             if hook is not None:
-                hook(self.model)
+                hook()
 
     def on_validation_epoch_end(self) -> None:
         # whole-set metrics (retrieval over every held-out pair), already gathered from every rank

@@ -188,8 +188,8 @@ class AudioSamples(L.Callback):
         from ..data.audio import collate_audio
 
         for name, task in pl_module.tasks.items():
-            if getattr(task, "input_key", None) != "audio":
-                continue
+            if getattr(task, "input_key", None) != "audio" or not hasattr(task, "logits"):
+                continue  # audio classifiers only (a contrastive audio task has no class logits)
             val = trainer.datamodule.data[name].val
             classes = getattr(val, "classes", None) or [str(i) for i in range(task.num_classes)]
             items = [val[i] for i in range(min(self.n, len(val)))]

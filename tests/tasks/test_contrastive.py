@@ -50,6 +50,23 @@ def test_siglip_loss_equals_the_closed_form():
     assert siglip_loss(a, b, t, bias).item() == pytest.approx(total / 4, rel=1e-5)
 
 
+def test_pairs_sharing_a_caption_are_neither_positive_nor_negative():
+    a, b = _pairs(4)
+    ids = torch.tensor([0, 1, 1, 2])  # pairs 1 and 2: two recordings of one transcript
+    s = (a @ b.T) / 0.07
+    keep = ~((ids[:, None] == ids[None, :]) & ~torch.eye(4, dtype=torch.bool))
+    by_row = [-(s[i, i] - torch.logsumexp(s[i][keep[i]], 0)) for i in range(4)]
+    by_col = [-(s[i, i] - torch.logsumexp(s[:, i][keep[:, i]], 0)) for i in range(4)]
+    expected = 0.5 * (sum(by_row) + sum(by_col)) / 4
+    got = clip_loss(a, b, torch.tensor(math.log(1 / 0.07)), ids=ids)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    t, bias = torch.tensor(math.log(10.0)), torch.tensor(-10.0)
+    z = 2 * torch.eye(4) - 1
+    terms = -F.logsigmoid(z * (10.0 * a @ b.T - 10.0))
+    expected = (terms * keep).sum() / 4
+    assert siglip_loss(a, b, t, bias, ids=ids).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
 # ---------------------------------------------------------------------------- two processes
 B, W, IN, E = 3, 2, 6, 4
 
@@ -65,11 +82,17 @@ def _encoders(seed: int = 0):
     return enc_a, enc_b, scale, bias
 
 
-def _step(x, y, kind):
+IDS = torch.tensor([0, 1, 2, 0, 4, 1])  # caption ids: rows 0 and 3, 1 and 5 share a caption, across ranks
+
+
+def _step(x, y, kind, ids=None):
     """Loss and gradients of every parameter for inputs ``x``, ``y`` (N, IN)."""
     enc_a, enc_b, scale, bias = _encoders()
     a, b = F.normalize(enc_a(x), dim=-1), F.normalize(enc_b(y), dim=-1)
-    loss = clip_loss(a, b, scale) if kind == "clip" else siglip_loss(a, b, scale, bias)
+    if kind == "clip":
+        loss = clip_loss(a, b, scale, ids=ids)
+    else:
+        loss = siglip_loss(a, b, scale, bias, ids=ids)
     loss.backward()
     params = [*enc_a.parameters(), *enc_b.parameters(), scale] + ([bias] if kind == "siglip" else [])
     return loss.detach(), [p.grad.clone() for p in params]
@@ -88,11 +111,12 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     rows = slice(rank * B, (rank + 1) * B)
     result = {}
     for kind in ("clip", "siglip"):
-        loss, grads = _step(x[rows], y[rows], kind)
-        dist.all_reduce(loss)  # the mean over ranks, as logged with sync_dist
-        for g in grads:  # DDP averages gradients over ranks
-            dist.all_reduce(g)
-        result[kind] = (loss / W, [g / W for g in grads])
+        for ids in (None, IDS[rows]):
+            loss, grads = _step(x[rows], y[rows], kind, ids)
+            dist.all_reduce(loss)  # the mean over ranks, as logged with sync_dist
+            for g in grads:  # DDP averages gradients over ranks
+                dist.all_reduce(g)
+            result[kind, ids is not None] = (loss / W, [g / W for g in grads])
     try:  # unequal batches: every rank raises, none hangs
         clip_loss(*_pairs(B + rank), torch.tensor(1.0))
         result["unequal"] = None
@@ -106,10 +130,10 @@ def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path / "out")), nprocs=W, join=True)
     x, y = _data()
     for rank in range(W):
-        result = torch.load(tmp_path / f"out.{rank}", weights_only=True)
-        for kind in ("clip", "siglip"):
-            loss, grads = _step(x, y, kind)
-            dist_loss, dist_grads = result[kind]
+        result = torch.load(tmp_path / f"out.{rank}", weights_only=False)  # our own test file
+        for kind, with_ids in [(k, i) for k in ("clip", "siglip") for i in (False, True)]:
+            loss, grads = _step(x, y, kind, IDS if with_ids else None)
+            dist_loss, dist_grads = result[kind, with_ids]
             assert dist_loss.item() == pytest.approx(loss.item(), rel=1e-5), kind
             for g_dist, g_one in zip(dist_grads, grads, strict=True):
                 torch.testing.assert_close(g_dist, g_one, rtol=1e-5, atol=1e-6)
@@ -240,7 +264,8 @@ def test_validation_gathers_the_whole_set_and_classifies_zero_shot():
         classes = F.normalize(torch.stack([p[:2].sum(0), p[2]]), dim=-1)
     expected = retrieval_recall(a, b)
     assert out["i2t_recall@1"] == pytest.approx(expected["a2b_recall@1"])
-    assert out["t2i_recall@5"] == pytest.approx(expected["b2a_recall@5"]) == pytest.approx(1.0)  # 5 items
+    assert out["t2i_recall@1"] == pytest.approx(expected["b2a_recall@1"])
+    assert out["recall@1"] == pytest.approx((expected["a2b_recall@1"] + expected["b2a_recall@1"]) / 2)
     assert out["zero_shot_acc"] == pytest.approx(zero_shot_accuracy(a, classes, labels)["zero_shot_acc"])
     assert task.epoch_metrics() == {}  # the store was reset
 
@@ -277,46 +302,55 @@ tasks:
     head: image_embed
     caption_tokenizer: caption
     caption_head: CAPTION_HEAD
-    data: {kind: image_caption, root: unused}
+    data: {kind: image_caption, root: unused, max_len: DATA_LEN}
 trainer: {max_steps: 1}
 """
 
 
 @pytest.mark.parametrize(
-    "towers, head, embed, build, message",
+    "towers, head, embed, data_len, build, message",
     [
         (
             "{captions: {d_model: 16, n_layers: 1, n_heads: 2}}",
             "caption_embed",
             8,
-            False,
+            12,
+            0,
             "Did you mean 'caption'",
         ),
         (
             "{}",
             "caption_embd",
             8,
-            False,
-            "'tasks.pairs.caption_head' refers to 'caption_embd'.*Did you mean 'caption_embed'",
+            12,
+            0,
+            "'tasks.pairs.caption_head' refers to 'caption_embd'.*'caption_embed'",
         ),
-        ("{}", "caption_embed", 16, True, "must share one embed_dim"),
+        ("{}", "caption_embed", 16, 12, 1, "must share one embed_dim"),
+        (
+            "{}",
+            "caption_embed",
+            8,
+            32,
+            1,
+            "data.max_len=32 exceeds the caption tokenizer's learned positions",
+        ),
+        (
+            "{caption: {d_model: 16, n_layers: 1, n_heads: 2}, image: {d_model: 16, n_layers: 1, n_heads: 2}}",
+            "caption_embed",
+            8,
+            12,
+            0,
+            "every tokenizer has a tower",
+        ),
     ],
 )
-def test_recipe_mistakes_name_the_key(towers, head, embed, build, message):
+def test_recipe_mistakes_name_the_key(towers, head, embed, data_len, build, message):
     from mmformer.build import build_contrastive
     from mmformer.config import RecipeError, recipe_from_yaml
 
     text = RECIPE.replace("TOWERS", towers).replace("CAPTION_HEAD", head).replace("EMBED", str(embed))
     with pytest.raises(RecipeError, match=message):
-        recipe = recipe_from_yaml(text)
+        recipe = recipe_from_yaml(text.replace("DATA_LEN", str(data_len)))
         if build:
             build_contrastive(recipe.tasks["pairs"], recipe)
-
-
-def test_retrieval_recall_treats_equal_captions_as_one():
-    a = torch.eye(3)
-    b = F.normalize(torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.1], [0.0, 1.0, 0.1]]), dim=-1)
-    # captions 1 and 2 are the same text: image 2 retrieving caption 1 is right, not a miss
-    assert retrieval_recall(a, b, ks=(1,))["a2b_recall@1"] == pytest.approx(1 / 3)  # ties count against
-    r = retrieval_recall(a, b, ks=(1,), same=torch.tensor([0, 1, 1]))
-    assert r["a2b_recall@1"] == pytest.approx(1.0) and r["b2a_recall@1"] == pytest.approx(1.0)
