@@ -56,20 +56,22 @@ class AudioClips(Dataset):
 
 
 def collate_audio(samples: list[dict]) -> dict:
-    """Right-pad the clips with zeros to the longest one."""
+    """Right-pad the clips with zeros to the longest one; ``label`` when the items carry one."""
     n = max(s["audio"].shape[0] for s in samples)
     audio = torch.zeros(len(samples), n)
     valid = torch.zeros(len(samples), n, dtype=torch.bool)
     for i, s in enumerate(samples):
         audio[i, : s["audio"].shape[0]] = s["audio"]
         valid[i, : s["audio"].shape[0]] = True
-    return {
+    batch = {
         "audio": audio,
         "audio_valid": valid,
-        "label": torch.tensor([s["label"] for s in samples], dtype=torch.long),
         "path": [s["path"] for s in samples],
         "bad_samples": [p for s in samples for p in s["bad_samples"]],
     }
+    if "label" in samples[0]:
+        batch["label"] = torch.tensor([s["label"] for s in samples], dtype=torch.long)
+    return batch
 
 
 def folder_samples(

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from .audio import AudioClips, collate_audio, manifest_rows
-from .collate import pad_ids
+from .collate import caption_ids, pad_ids
 from .image_caption import encode_captions
 
 
@@ -26,8 +26,7 @@ class AudioCaptions(AudioClips):
     def __init__(self, rows: list[dict], ids: list[list[int]], preprocess, text_key: str = "text"):
         super().__init__([(r["audio"], i) for i, r in enumerate(rows)], preprocess)
         self.captions, self.ids = [str(r[text_key]) for r in rows], ids
-        distinct: dict[tuple[int, ...], int] = {}  # equal token ids (after cutting), equal caption
-        self.caption_ids = [distinct.setdefault(tuple(x), len(distinct)) for x in ids]
+        self.caption_ids = caption_ids(ids)
 
     def __getitem__(self, i: int) -> dict:
         item = super().__getitem__(i)
@@ -36,8 +35,7 @@ class AudioCaptions(AudioClips):
 
 
 def collate_audio_captions(samples: list[dict], pad_id: int) -> dict:
-    batch = collate_audio([{**s, "label": 0} for s in samples])
-    del batch["label"]
+    batch = collate_audio(samples)
     ids, valid = pad_ids([s["ids"] for s in samples], pad_id)
     batch.update(
         caption=ids,

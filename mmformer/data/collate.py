@@ -16,6 +16,13 @@ def pad_ids(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Ten
     return ids, valid
 
 
+def caption_ids(ids: list[list[int]]) -> list[int]:
+    """One id per distinct token sequence (after cutting), in order of first appearance: equal captions
+    get equal ids."""
+    distinct: dict[tuple[int, ...], int] = {}
+    return [distinct.setdefault(tuple(x), len(distinct)) for x in ids]
+
+
 def collate_classification(samples: list[dict]) -> dict:
     """``[{"image": (C, H, W), "label": int, "bad_samples": [path, …]}]`` →
     ``{"image": (B, C, H, W) uint8 (or float), "label": (B,) long, "bad_samples": [path, …]}``."""

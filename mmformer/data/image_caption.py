@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .collate import pad_ids
+from .collate import caption_ids, pad_ids
 from .jsonl import read_jsonl
 from .roots import DataError
 
@@ -74,8 +74,7 @@ class ImageCaptions(Dataset):
         labels: list[int] | None = None,
     ):
         self.rows, self.ids, self.preprocess, self.labels = rows, ids, preprocess, labels
-        distinct: dict[tuple[int, ...], int] = {}  # equal token ids (after cutting), equal caption
-        self.caption_ids = [distinct.setdefault(tuple(x), len(distinct)) for x in ids]
+        self.caption_ids = caption_ids(ids)
         self.cache: dict[int, torch.Tensor] | None = {} if cache else None
 
     def __len__(self) -> int:

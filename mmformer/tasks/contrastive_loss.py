@@ -63,11 +63,12 @@ def gather_ids(ids: Tensor) -> Tensor:
     return torch.cat(parts)
 
 
-def _duplicates(ids: Tensor | None, all_ids: Tensor | None, offset: int) -> Tensor | None:
-    """``(B, W·B)`` bool: other pairs with this row's caption (neither positive nor negative), or None."""
+def _duplicates(ids: Tensor | None, gather: bool, offset: int) -> Tensor | None:
+    """``(B, W·B)`` bool: the other pairs (of every rank when ``gather``) that share this row's caption —
+    neither positive nor negative — or None when there are none."""
     if ids is None:
         return None
-    dup = ids.unsqueeze(1) == all_ids.unsqueeze(0)
+    dup = ids.unsqueeze(1) == (gather_ids(ids) if gather else ids).unsqueeze(0)
     rows = torch.arange(ids.shape[0], device=ids.device)
     dup[rows, rows + offset] = False
     return dup if bool(dup.any()) else None
@@ -107,7 +108,7 @@ def clip_loss(
     labels = torch.arange(a.shape[0], device=a.device) + offset
     logits_ab = scale * a.float() @ all_b.float().T  # (B, W·B)
     logits_ba = scale * b.float() @ all_a.float().T
-    dup = _duplicates(ids, gather_ids(ids) if gather and ids is not None else ids, offset)
+    dup = _duplicates(ids, gather, offset)
     if dup is not None:
         logits_ab, logits_ba = logits_ab.masked_fill(dup, -torch.inf), logits_ba.masked_fill(dup, -torch.inf)
     return 0.5 * (F.cross_entropy(logits_ab, labels) + F.cross_entropy(logits_ba, labels))
@@ -136,7 +137,7 @@ def siglip_loss(
     rows = torch.arange(a.shape[0], device=a.device)
     z[rows, rows + offset] = 1.0
     terms = -F.logsigmoid(z * logits)
-    dup = _duplicates(ids, gather_ids(ids) if gather and ids is not None else ids, offset)
+    dup = _duplicates(ids, gather, offset)
     if dup is not None:
         terms = terms.masked_fill(dup, 0.0)
     return terms.sum() / a.shape[0]

@@ -59,14 +59,11 @@ def asterisk(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def speech(tmp_path_factory):
-    missing = BUNDLED["asterisk-speech"].missing()
-    if missing:
-        pytest.skip(missing)
-    en, out = tmp_path_factory.mktemp("asterisk-en"), tmp_path_factory.mktemp("asterisk-speech")
-    build_asterisk_en(en)
+def speech(asterisk, tmp_path_factory):
+    # the same sources as asterisk-prompts (espeak-ng, flite, the recordings): skipped with it
+    out = tmp_path_factory.mktemp("asterisk-speech")
     build_asterisk_speech(out, n_espeak=1, n_flite=0)
-    return en, out
+    return asterisk[0], out
 
 
 def test_asterisk_speech_pairs_follow_the_split_and_render_only_train_transcripts(speech):
