@@ -35,6 +35,7 @@ from .config import (
     ImageCaptionDataConfig,
     ImageFolderDataConfig,
     LMHeadConfig,
+    PrefixLMTaskConfig,
     PretrainedBackboneConfig,
     PretrainedHeadConfig,
     PretrainedTokenizerConfig,
@@ -59,6 +60,7 @@ from .data.text_classification import text_classification_data
 from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
 from .models.diffusion import GaussianDiffusion, RectifiedFlow, beta_schedule
 from .models.heads import DiTFinalLayer, LMHead, ProjectionHead
+from .models.prefix_lm import PrefixLM
 from .models.pretrained import (
     FAMILY_MODALITY,
     Pretrained,
@@ -74,6 +76,7 @@ from .tasks import ClassificationTask, MultiTaskModule
 from .tasks.contrastive import ContrastiveTask
 from .tasks.diffusion import DiffusionTask
 from .tasks.language_model import CausalLMTask
+from .tasks.prefix_lm import PrefixLMTask
 from .tokenizers import ViTPatchTokenizer
 from .tokenizers.audio import (
     ASTPatchTokenizer,
@@ -495,6 +498,52 @@ def build_contrastive(cfg: ContrastiveTaskConfig, recipe: RecipeConfig) -> Contr
     )
 
 
+@register("task", "prefix_lm", PrefixLMTaskConfig)
+def build_prefix_lm(cfg: PrefixLMTaskConfig, recipe: RecipeConfig) -> PrefixLMTask:
+    m = recipe.model
+    if tokenizer_modality(m.tokenizers[cfg.caption_tokenizer]) != "text":
+        raise RecipeError(f"caption_tokenizer {cfg.caption_tokenizer!r} must be a text tokenizer")
+    modality = tokenizer_modality(m.tokenizers[cfg.tokenizer])
+    if modality == "text" or m.tokenizers[cfg.tokenizer].kind == "dit":
+        raise RecipeError(
+            f"tokenizer {cfg.tokenizer!r} cannot be a prefix: a prefix_lm task reads images or audio"
+        )
+    if m.heads[cfg.caption_head].kind not in ("lm", "pretrained"):
+        raise RecipeError(
+            f"caption_head {cfg.caption_head!r} is of kind {m.heads[cfg.caption_head].kind}; a prefix_lm "
+            "task needs an LM head (kind: lm or pretrained)"
+        )
+    if cfg.caption_tokenizer in m.towers:
+        raise RecipeError(
+            f"the text of a prefix_lm task runs through the shared backbone: drop model.towers.{cfg.caption_tokenizer}"
+        )
+    if m.backbone.kind != "pretrained" and not m.backbone.causal:
+        raise RecipeError("a prefix_lm task generates text: set model.backbone.causal: true")
+    if cfg.projector is not None:
+        if m.heads[cfg.projector].kind != "projector":
+            raise RecipeError(f"projector {cfg.projector!r} must be a model.heads entry of kind projector")
+        if cfg.tokenizer not in m.towers:
+            raise RecipeError(
+                f"a projector maps a tower's output to the backbone: model.towers.{cfg.tokenizer} is missing"
+            )
+    bpe_len = getattr(m.tokenizers[cfg.caption_tokenizer], "max_len", None)
+    data_len = getattr(cfg.data, "max_len", None)
+    if bpe_len and data_len and data_len > bpe_len:
+        raise RecipeError(
+            f"data.max_len={data_len} exceeds the caption tokenizer's learned positions (max_len={bpe_len})"
+        )
+    metric = cfg.main_metric or ("wer" if modality == "audio" else "exact_match")
+    return PrefixLMTask(
+        PrefixLM(cfg.tokenizer, cfg.caption_tokenizer, cfg.caption_head, cfg.projector),
+        modality,
+        text_tokenizer(recipe, cfg.caption_tokenizer),
+        cfg.max_new_tokens or max(1, (data_len or 48) - 1),
+        cfg.beam_size,
+        cfg.length_penalty,
+        (metric, "max" if metric == "exact_match" else "min"),
+    )
+
+
 @register("dataset", "image_folder", ImageFolderDataConfig)
 def build_image_folder(cfg: ImageFolderDataConfig, task, recipe: RecipeConfig):
     return image_folder_data(
@@ -507,7 +556,8 @@ def build_image_caption(cfg: ImageCaptionDataConfig, task, recipe: RecipeConfig)
     name = getattr(task, "caption_tokenizer", None)
     if name is None:
         raise RecipeError(
-            "image_caption data is read by a task with a caption_tokenizer (kind: diffusion or contrastive)"
+            "image_caption data is read by a task with a caption_tokenizer (kind: diffusion, contrastive "
+            "or prefix_lm)"
         )
     return image_caption_data(cfg, recipe.model.tokenizers[task.tokenizer], text_tokenizer(recipe, name))
 
@@ -516,7 +566,9 @@ def build_image_caption(cfg: ImageCaptionDataConfig, task, recipe: RecipeConfig)
 def build_audio_caption(cfg: AudioCaptionDataConfig, task, recipe: RecipeConfig):
     name = getattr(task, "caption_tokenizer", None)
     if name is None:
-        raise RecipeError("audio_caption data is read by a task with a caption_tokenizer (kind: contrastive)")
+        raise RecipeError(
+            "audio_caption data is read by a task with a caption_tokenizer (kind: contrastive or prefix_lm)"
+        )
     tok = recipe.model.tokenizers[task.tokenizer]
     if tokenizer_modality(tok) != "audio":
         raise RecipeError(f"audio_caption data needs an audio tokenizer; {task.tokenizer!r} is not one")
@@ -752,7 +804,9 @@ def default_monitor(recipe: RecipeConfig, module: MultiTaskModule) -> tuple[str,
         main_name, main_mode = getattr(task, "main_metric", ("loss", "min"))
         for metric in [*getattr(task, "val_metrics", {}), *getattr(task, "epoch_metric_names", ())]:
             known[f"val/{name}/{metric}"] = (
-                main_mode if metric == main_name else ("min" if metric.endswith(("loss", "ppl")) else "max")
+                main_mode
+                if metric == main_name
+                else ("min" if metric.endswith(("loss", "ppl", "wer", "cer")) else "max")
             )
     first = next(iter(recipe.tasks))
     metric, mode = getattr(module.tasks[first], "main_metric", ("loss", "min"))

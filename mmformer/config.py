@@ -631,6 +631,38 @@ class ContrastiveTaskConfig:
             raise ValueError(f"weight must be >= 0, got {self.weight}")
 
 
+@dataclass
+class PrefixLMTaskConfig:
+    """``tasks.<name>`` of kind ``prefix_lm``: captioning or speech recognition — the inputs
+    (``tokenizer``: image or audio) as a bidirectional prefix, their caption (``caption_tokenizer``, text)
+    generated causally after it through the shared causal backbone and read out by ``caption_head`` (an
+    LM head). ``projector``: a head of kind ``projector`` mapping the prefix tokenizer's own tower (a
+    pretrained encoder) to the backbone's width (LLaVA). Validation decodes the held-out text (greedy
+    with ``beam_size: 1``, else beam search) and reports ``wer``, ``cer`` and ``exact_match``
+    (``mmformer.tasks.prefix_lm``)."""
+
+    kind: str = "prefix_lm"
+    weight: float = 1.0
+    tokenizer: str = MISSING  # image or audio tokenizer: the prefix
+    caption_tokenizer: str = MISSING  # text tokenizer
+    caption_head: str = MISSING  # its LM head
+    projector: Optional[str] = None  # a model.heads entry of kind projector (tower → backbone width)
+    beam_size: int = 1  # 1 = greedy decoding
+    length_penalty: float = 1.0
+    max_new_tokens: Optional[int] = None  # default: data.max_len - 1
+    main_metric: Optional[str] = (
+        None  # wer | cer | exact_match; default: wer for audio, exact_match for images
+    )
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _positive(self, "beam_size", "max_new_tokens")
+        if self.main_metric not in (None, "wer", "cer", "exact_match"):
+            raise ValueError(f"main_metric={self.main_metric!r}; choose wer, cer or exact_match")
+        if self.weight < 0:
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
+
+
 # --------------------------------------------------------------------------- top-level sections
 @dataclass
 class ModelConfig:

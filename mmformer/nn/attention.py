@@ -91,6 +91,15 @@ class KVCache:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index (B',)`` long, in that order (beam search: each surviving hypothesis
+        continues from its parent's keys and values; a row may be repeated)."""
+        pick = lambda t: None if t is None else t.index_select(0, index)
+        self.keys = {layer: pick(k) for layer, k in self.keys.items()}
+        self.values = {layer: pick(v) for layer, v in self.values.items()}
+        self.valid, self.document, self.positions = pick(self.valid), pick(self.document), pick(self.positions)
+        self.span_open = pick(self.span_open)
+
     def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:
         """Append the new tokens' metadata (called once per forward, after every layer ran)."""
         cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)

@@ -1,0 +1,193 @@
+"""Prefix-LM captioning and speech recognition: the mask (prefix bidirectional, text causal), loss on the
+text only, cached decoding equal to recomputation, beam search against exhaustive search, batched equal
+to one at a time with padded audio prefixes, the metrics on hand-checked strings, and recipe errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mmformer.models import MultimodalModel, build_backbone
+from mmformer.models.heads import LMHead
+from mmformer.models.prefix_lm import PrefixLM
+from mmformer.tasks.prefix_lm import PrefixLMTask, caption_targets, normalize_text
+from mmformer.tokenizers import ViTPatchTokenizer
+from mmformer.tokenizers.audio import ASTPatchTokenizer, LogMel
+from mmformer.tokenizers.text import TextEmbedding
+
+V, BOS, EOS = 5, 3, 2
+NAMES = PrefixLM("audio", "text", "lm")
+
+
+def _model(prefix: str = "audio", max_len: int | None = 16, positions: str = "none", seed: int = 0):
+    torch.manual_seed(seed)
+    D = 32
+    if prefix == "audio":
+        tok = ASTPatchTokenizer(
+            D, LogMel(8000, 200, 80, 16, normalize="utterance"), (8, 4), (8, 4), max_frames=101
+        )
+    else:
+        tok = ViTPatchTokenizer(D, image_size=8, patch_size=4, in_chans=1, mean=(0.5,), std=(0.5,))
+    backbone = build_backbone(D, 2, 2, causal=True, positions=positions)
+    model = MultimodalModel(
+        {prefix: tok, "text": TextEmbedding(V, D, max_len)}, backbone, {"lm": LMHead(D, V)}
+    )
+    for p in model.parameters():  # sharper distributions than the 0.02 init, so decoding choices differ
+        p.data.normal_(0, 0.5)
+    return model.eval()
+
+
+def _waves(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    wave = torch.randn(len(lengths), max(lengths), generator=g)
+    valid = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+    return wave * valid, valid
+
+
+@torch.no_grad()
+def _seq_logprob(model, names, wave, valid, seq: list[int]) -> float:
+    """log p(seq | prefix) from one teacher-forced forward (no cache)."""
+    ids = torch.tensor([[BOS, *seq]])
+    logits = names.logits(model, wave, ids, torch.ones_like(ids, dtype=torch.bool), prefix_valid=valid)
+    logp = logits[0, :-1].float().log_softmax(-1)
+    return float(sum(logp[i, t] for i, t in enumerate(seq)))
+
+
+def test_prefix_is_bidirectional_and_text_causal():
+    model = _model()
+    wave, valid = _waves([800])
+    ids = torch.tensor([[BOS, 0, 1, 4, 0]])
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    base = NAMES.logits(model, wave, ids, ones, prefix_valid=valid)
+    later = ids.clone()
+    later[0, 3:] = 1  # changing text tokens 3… changes nothing before them
+    out = NAMES.logits(model, wave, later, ones, prefix_valid=valid)
+    torch.testing.assert_close(out[0, :3], base[0, :3])
+    assert not torch.allclose(out[0, 3:], base[0, 3:])
+    # the end of the clip reaches the first text position (the prefix is read whole)
+    wave2 = wave.clone()
+    wave2[0, 700:] += 1.0
+    assert not torch.allclose(NAMES.logits(model, wave2, ids, ones, prefix_valid=valid)[0, 0], base[0, 0])
+    # and inside the prefix, early tokens see late ones (bidirectional span)
+    prefix = NAMES.prefix(model, wave, valid)
+    seq, span = NAMES._join(model, prefix, model.tokenizers["text"](ids))
+    hidden = model.backbone(seq, span=span)
+    seq2, _ = NAMES._join(model, NAMES.prefix(model, wave2, valid), model.tokenizers["text"](ids))
+    assert not torch.allclose(model.backbone(seq2, span=span)[0, 0], hidden[0, 0])
+
+
+def test_loss_counts_caption_tokens_only():
+    ids = torch.tensor([[BOS, 0, 1, EOS, 4], [BOS, 1, EOS, 4, 4]])
+    valid = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    assert caption_targets(ids, valid).tolist() == [[0, 1, EOS, -100], [1, EOS, -100, -100]]
+
+
+@pytest.mark.parametrize("positions", ["none", "rope"])
+def test_greedy_with_the_cache_equals_argmax_of_full_forwards(positions):
+    model = _model(positions=positions, max_len=None if positions == "rope" else 16)
+    wave, valid = _waves([640, 800, 400])
+    out = NAMES.generate(model, wave, BOS, EOS, max_new_tokens=6, prefix_valid=valid)
+    for b in range(3):
+        seq = [BOS]
+        for _ in range(6):  # recompute every step from scratch
+            ids = torch.tensor([seq])
+            logits = NAMES.logits(
+                model,
+                wave[b : b + 1],
+                ids,
+                torch.ones_like(ids, dtype=torch.bool),
+                prefix_valid=valid[b : b + 1],
+            )
+            nxt = int(logits[0, -1].argmax())
+            if nxt == EOS:
+                break
+            seq.append(nxt)
+        assert out[b] == seq[1:]
+
+
+def test_beam_search_finds_the_most_likely_text_exhaustively():
+    """With length_penalty 0 and a beam wider than every step's candidates, beam search is exact: its
+    text is the argmax of log p over every text of at most 3 tokens (ending in eos or cut at 3)."""
+    model = _model(seed=3)
+    wave, valid = _waves([720], seed=3)
+    texts = []
+    for n in range(0, 4):
+        for body in itertools.product([t for t in range(V) if t != EOS], repeat=n):
+            texts.append((list(body), [*body, EOS]))  # ends with eos ...
+            if n == 3:
+                texts.append((list(body), list(body)))  # ... or is cut at max_new_tokens
+    scored = [(_seq_logprob(model, NAMES, wave, valid, seq), body) for body, seq in texts if len(seq) <= 3]
+    best = max(scored)[1]
+    got = NAMES.generate(model, wave, BOS, EOS, 3, beam_size=200, length_penalty=0.0, prefix_valid=valid)
+    assert got == [best]
+    greedy = NAMES.generate(model, wave, BOS, EOS, 3, prefix_valid=valid)
+    assert (
+        NAMES.generate(model, wave, BOS, EOS, 3, beam_size=1, length_penalty=0.0, prefix_valid=valid)
+        == greedy
+    )
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_batched_decoding_equals_one_at_a_time(beam_size):
+    model = _model(seed=1)
+    wave, valid = _waves([300, 800, 560], seed=1)  # padded prefixes of different lengths
+    batched = NAMES.generate(model, wave, BOS, EOS, 5, beam_size=beam_size, prefix_valid=valid)
+    for b in range(3):
+        n = int(valid[b].sum())
+        alone = NAMES.generate(
+            model, wave[b : b + 1, :n], BOS, EOS, 5, beam_size=beam_size, prefix_valid=valid[b : b + 1, :n]
+        )
+        assert batched[b] == alone[0]
+
+
+def test_image_prefix_and_learned_text_positions_stop_at_max_len():
+    model = _model(prefix="image", max_len=4)
+    names = PrefixLM("image", "text", "lm")
+    images = torch.randint(0, 255, (2, 1, 8, 8), dtype=torch.uint8)
+    out = names.generate(model, images, BOS, None, max_new_tokens=10)
+    assert [len(o) for o in out] == [3, 3]  # bos + 3 tokens fill the 4 learned positions
+    with pytest.raises(ValueError, match="beam_size"):
+        names.generate(model, images, BOS, EOS, 3, beam_size=0)
+
+
+def test_non_causal_backbone_is_refused():
+    model = _model()
+    model.backbone.causal = False
+    wave, valid = _waves([400])
+    with pytest.raises(ValueError, match="causal"):
+        NAMES.generate(model, wave, BOS, EOS, 2, prefix_valid=valid)
+
+
+class _Text:
+    bos_id, eos_id = BOS, EOS
+
+    def decode(self, ids, skip_special=False):
+        return " ".join("abcde"[i] for i in ids)
+
+
+def test_metrics_on_known_strings():
+    assert normalize_text("Flag: United_States!  ") == "flag united states"
+    assert normalize_text("Please, press 1 — it's FREE.") == "please press 1 it's free"
+    task = PrefixLMTask(NAMES, "audio", _Text(), max_new_tokens=3)
+    task.val_metrics["wer"].update(["a b c", "d"], ["a x c", "d e"])  # 1 substitution + 1 deletion / 5 words
+    assert float(task.val_metrics["wer"].compute()) == pytest.approx(2 / 5)
+
+
+def test_validation_decodes_and_scores_the_held_out_text():
+    model = _model(seed=2)
+    wave, valid = _waves([400, 640], seed=2)
+    task = PrefixLMTask(NAMES, "audio", _Text(), max_new_tokens=4)
+    hyps = task.transcribe(model, wave, valid)
+    batch = {
+        "audio": wave,
+        "audio_valid": valid,
+        "caption": torch.tensor([[BOS, 0, EOS], [BOS, 1, EOS]]),
+        "caption_valid": torch.ones(2, 3, dtype=torch.bool),
+        "caption_text": [hyps[0].upper(), "zz"],  # the first decoded exactly (after normalisation)
+    }
+    task.validation_update(model, batch)
+    assert float(task.val_metrics["exact_match"].compute()) == pytest.approx(0.5)
+    assert task.examples[0] == (normalize_text(hyps[0]), normalize_text(hyps[0]))
+    assert torch.isfinite(task.val_metrics["loss"].compute())
