@@ -40,6 +40,7 @@ from .config import (
     PretrainedHeadConfig,
     PretrainedTokenizerConfig,
     ProjectionHeadConfig,
+    ProjectorHeadConfig,
     RecipeConfig,
     RecipeError,
     TextClassificationDataConfig,
@@ -59,7 +60,7 @@ from .data.text import corpus_split, text_data
 from .data.text_classification import text_classification_data
 from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
 from .models.diffusion import GaussianDiffusion, RectifiedFlow, beta_schedule
-from .models.heads import DiTFinalLayer, LMHead, ProjectionHead
+from .models.heads import DiTFinalLayer, LMHead, ProjectionHead, ProjectorHead
 from .models.prefix_lm import PrefixLM
 from .models.pretrained import (
     FAMILY_MODALITY,
@@ -90,6 +91,7 @@ from .tokenizers.text import TextEmbedding, TextTokenizer
 from .training.callbacks import (
     AudioSamples,
     BadSampleReport,
+    DecodedSamples,
     DiffusionSamples,
     EMAWeights,
     TextSamples,
@@ -356,6 +358,8 @@ def build_pretrained_backbone(cfg: PretrainedBackboneConfig) -> Backbone:
         )
     for block in backbone.blocks[: cfg.freeze_layers]:
         _freeze(block)
+    if cfg.freeze_layers == len(backbone.blocks):  # the whole backbone: its final norm too
+        _freeze(backbone.norm)
     return backbone
 
 
@@ -496,6 +500,12 @@ def build_contrastive(cfg: ContrastiveTaskConfig, recipe: RecipeConfig) -> Contr
         cfg.gather,
         prompts,
     )
+
+
+@register("head", "projector", ProjectorHeadConfig)
+def build_projector(cfg: ProjectorHeadConfig, d_model: tuple[int, int], tokenizer) -> ProjectorHead:
+    """``d_model``: (the width of the tower it reads, the shared backbone's width)."""
+    return ProjectorHead(*d_model, stack=cfg.stack, hidden=cfg.hidden)
 
 
 @register("task", "prefix_lm", PrefixLMTaskConfig)
@@ -726,6 +736,9 @@ def build_model(
             ]
             tokenizer = tokenizers.get(readers[0]) if readers else None
             d = width[readers[0]] if readers else backbone.d_model
+            if cfg.kind == "projector":  # a tower's width in, the shared backbone's out
+                fed = [t.tokenizer for t in recipe.tasks.values() if getattr(t, "projector", None) == name]
+                d = (width[fed[0]] if fed else backbone.d_model, backbone.d_model)
             heads[name] = lookup("head", cfg.kind).builder(cfg, d, tokenizer)
         loaded = {p.source: {"family": p.family, "config": p.config} for p in _BUILD_SESSION.values()}
         for p in _BUILD_SESSION.values():
@@ -913,6 +926,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
             BadSampleReport(),
             TextSamples(),
             AudioSamples(),
+            DecodedSamples(),
             DiffusionSamples(),
             *ema,
             *freeze,

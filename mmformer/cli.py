@@ -154,8 +154,9 @@ def describe_model(model, recipe) -> list[str]:
         lines.append(f"pretrained {source}: loaded {', '.join(names)}")
     for name, task in recipe.tasks.items():
         tok = model.tokenizers[task.tokenizer]
-        if hasattr(tok, "example_input") and task.tokenizer not in model.towers:
-            flops = count_flops(model, tok.example_input(1), task.tokenizer, task.head)
+        head = getattr(task, "head", None)  # a prefix-LM's sequence mixes two tokenizers: not counted yet
+        if head is not None and hasattr(tok, "example_input") and task.tokenizer not in model.towers:
+            flops = count_flops(model, tok.example_input(1), task.tokenizer, head)
             what = (
                 "sample"
                 if not hasattr(tok, "vocab_size")

@@ -451,7 +451,8 @@ class PretrainedBackboneConfig:
 
     kind: str = "pretrained"
     source: str = MISSING  # smollm2-135m-instruct | all-minilm-l6-v2 | PATH
-    freeze_layers: int = 0  # freeze the first k blocks (the tokenizer's `freeze` freezes the embeddings)
+    freeze_layers: int = 0  # freeze the first k blocks; all of them: the final norm too (the tokenizer's
+    # `freeze` freezes the embeddings)
 
     def __post_init__(self) -> None:
         if self.freeze_layers < 0:
@@ -629,6 +630,20 @@ class ContrastiveTaskConfig:
         _positive(self, "init_temperature")
         if self.weight < 0:
             raise ValueError(f"weight must be >= 0, got {self.weight}")
+
+
+@dataclass
+class ProjectorHeadConfig:
+    """``model.heads.<name>`` of kind ``projector``: an encoder tower's tokens → the backbone's width, the
+    prefix of a ``prefix_lm`` task that names it as ``projector`` (``mmformer.models.heads.ProjectorHead``,
+    LLaVA's two-layer MLP after stacking ``stack`` consecutive tokens)."""
+
+    kind: str = "projector"
+    stack: int = 1
+    hidden: Optional[int] = None  # default: the backbone's d_model
+
+    def __post_init__(self) -> None:
+        _positive(self, "stack", "hidden")
 
 
 @dataclass
@@ -980,19 +995,22 @@ def _check_references(recipe: RecipeConfig) -> None:
         for attr, table in (
             ("caption_tokenizer", recipe.model.tokenizers),
             ("caption_head", recipe.model.heads),
+            ("projector", recipe.model.heads),
         ):
             ref = getattr(task, attr, None)
             if ref is not None and ref not in table:
                 close = difflib.get_close_matches(ref, table, n=1)
                 hint = f" Did you mean '{close[0]}'?" if close else ""
+                kind = "heads" if table is recipe.model.heads else "tokenizers"
                 raise RecipeError(
                     f"'tasks.{name}.{attr}' refers to {ref!r}, which is not in "
-                    f"model.{attr.split('_')[1]}s ({', '.join(table) or 'none defined'}).{hint}"
+                    f"model.{kind} ({', '.join(table) or 'none defined'}).{hint}"
                 )
     for attr, table in (("tokenizer", recipe.model.tokenizers), ("head", recipe.model.heads)):
         used = {getattr(t, attr, None) for t in recipe.tasks.values()}
         # a diffusion or contrastive task's captions read a second tokenizer (and head)
         used |= {getattr(t, f"caption_{attr}", None) for t in recipe.tasks.values()}
+        used |= {getattr(t, "projector", None) for t in recipe.tasks.values()}  # a prefix-LM's projector head
         for name in table:
             if name not in used:  # an unused part would be trained by nobody (and breaks DDP)
                 raise RecipeError(

@@ -178,3 +178,41 @@ class DiTFinalLayer(nn.Module):
         x = self.linear(x)  # (B, N, p·p·C), channels last within each patch as DiT
         x = x.reshape(B, Gh, Gw, p, p, C)
         return x.permute(0, 5, 1, 3, 2, 4).reshape(B, C, Gh * p, Gw * p)  # DiT: nhwpqc → nchpwq
+
+
+class ProjectorHead(nn.Module):
+    """Maps an encoder's output tokens into a language model's embedding space, to be its prefix: the
+    LLaVA-1.5 projector (Liu et al. 2023, arXiv:2310.03744: ``Linear → GELU → Linear``), after stacking
+    ``stack`` consecutive tokens into one (frame stacking, as the window-level Q-Former of SALMONN or the
+    pooling of Qwen2-Audio shorten 50 Hz Whisper frames before the LLM).
+
+    Args:
+        d_in: the encoder's width; d_out: the language model's ``d_model``.
+        stack: consecutive tokens concatenated into one (the last group is padded).
+        hidden: the MLP's inner width (default ``d_out``).
+
+    ``forward(hidden (B, N, d_in), tokens) → Tokens`` with ``x (B, ⌈N / stack⌉, d_out)``; a stacked token is
+    real when any of its tokens is (padding inside it reads as zeros), positions count the stacked
+    tokens, modality is kept.
+    """
+
+    def __init__(self, d_in: int, d_out: int, stack: int = 1, hidden: int | None = None):
+        super().__init__()
+        if stack < 1:
+            raise ValueError(f"stack must be >= 1, got {stack}")
+        self.stack = stack
+        self.fc1 = nn.Linear(d_in * stack, hidden or d_out)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden or d_out, d_out)
+
+    def forward(self, hidden: Tensor, tokens: Tokens) -> Tokens:
+        B, N, D = hidden.shape
+        k = self.stack
+        pad = (-N) % k
+        valid = torch.nn.functional.pad(tokens.valid, (0, pad), value=False)
+        x = torch.nn.functional.pad(hidden * tokens.valid.unsqueeze(-1).to(hidden.dtype), (0, 0, 0, pad))
+        x = x.reshape(B, (N + pad) // k, k * D)
+        valid = valid.view(B, -1, k).any(-1)
+        out = Tokens.from_embeddings(self.fc2(self.act(self.fc1(x))), 0, valid=valid)
+        out.modality = tokens.modality[:, :1].expand_as(valid)
+        return out

@@ -97,7 +97,11 @@ class KVCache:
         pick = lambda t: None if t is None else t.index_select(0, index)
         self.keys = {layer: pick(k) for layer, k in self.keys.items()}
         self.values = {layer: pick(v) for layer, v in self.values.items()}
-        self.valid, self.document, self.positions = pick(self.valid), pick(self.document), pick(self.positions)
+        self.valid, self.document, self.positions = (
+            pick(self.valid),
+            pick(self.document),
+            pick(self.positions),
+        )
         self.span_open = pick(self.span_open)
 
     def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:

@@ -170,6 +170,34 @@ class TextSamples(L.Callback):
                     )
 
 
+class DecodedSamples(L.Callback):
+    """After each validation, the references and decoded texts a captioning / speech-recognition task
+    kept (its ``examples``: the first validation batch, normalised) as a W&B table ``decoded/<task>``;
+    ``last`` keeps the rows for other loggers."""
+
+    def __init__(self):
+        self.last: dict[str, list[tuple[str, str]]] = {}
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        from lightning.pytorch.loggers import WandbLogger
+
+        for name, task in pl_module.tasks.items():
+            rows = list(getattr(task, "examples", None) or [])
+            if not rows:
+                continue
+            self.last[name] = rows
+            for lg in trainer.loggers:
+                if isinstance(lg, WandbLogger):
+                    lg.log_text(
+                        key=f"decoded/{name}",
+                        columns=["reference", "decoded"],
+                        data=[list(r) for r in rows],
+                        step=trainer.global_step,
+                    )
+
+
 class AudioSamples(L.Callback):
     """After each validation, the first ``n`` validation clips of every audio classification task with
     their true and predicted classes and the prediction's probability, as a W&B table
