@@ -452,11 +452,22 @@ def build_projection(cfg: ProjectionHeadConfig, d_model: int, tokenizer) -> Proj
     return ProjectionHead(d_model, cfg.embed_dim, cfg.pool, prefix, cfg.norm)
 
 
+def _check_captions(cfg, recipe: RecipeConfig) -> None:
+    """A task's captions: read by a text tokenizer, no longer than its learned positions."""
+    tok = recipe.model.tokenizers[cfg.caption_tokenizer]
+    if tokenizer_modality(tok) != "text":
+        raise RecipeError(f"caption_tokenizer {cfg.caption_tokenizer!r} must be a text tokenizer")
+    bpe_len, data_len = getattr(tok, "max_len", None), getattr(cfg.data, "max_len", None)
+    if bpe_len and data_len and data_len > bpe_len:
+        raise RecipeError(
+            f"data.max_len={data_len} exceeds the caption tokenizer's learned positions (max_len={bpe_len})"
+        )
+
+
 @register("task", "contrastive", ContrastiveTaskConfig)
 def build_contrastive(cfg: ContrastiveTaskConfig, recipe: RecipeConfig) -> ContrastiveTask:
     m = recipe.model
-    if tokenizer_modality(m.tokenizers[cfg.caption_tokenizer]) != "text":
-        raise RecipeError(f"caption_tokenizer {cfg.caption_tokenizer!r} must be a text tokenizer")
+    _check_captions(cfg, recipe)
     modality = tokenizer_modality(m.tokenizers[cfg.tokenizer])
     if modality == "text":
         raise RecipeError(
@@ -468,12 +479,6 @@ def build_contrastive(cfg: ContrastiveTaskConfig, recipe: RecipeConfig) -> Contr
                 f"tasks.<name>.{key} {head!r} is of kind {m.heads[head].kind}; a contrastive task needs "
                 "kind: projection heads"
             )
-    bpe_len = getattr(m.tokenizers[cfg.caption_tokenizer], "max_len", None)
-    data_len = getattr(cfg.data, "max_len", None)
-    if bpe_len and data_len and data_len > bpe_len:
-        raise RecipeError(
-            f"data.max_len={data_len} exceeds the caption tokenizer's learned positions (max_len={bpe_len})"
-        )
     widths = {m.heads[h].embed_dim for h in (cfg.head, cfg.caption_head)}
     if len(widths) > 1:
         raise RecipeError(
@@ -511,8 +516,7 @@ def build_projector(cfg: ProjectorHeadConfig, d_model: tuple[int, int], tokenize
 @register("task", "prefix_lm", PrefixLMTaskConfig)
 def build_prefix_lm(cfg: PrefixLMTaskConfig, recipe: RecipeConfig) -> PrefixLMTask:
     m = recipe.model
-    if tokenizer_modality(m.tokenizers[cfg.caption_tokenizer]) != "text":
-        raise RecipeError(f"caption_tokenizer {cfg.caption_tokenizer!r} must be a text tokenizer")
+    _check_captions(cfg, recipe)
     modality = tokenizer_modality(m.tokenizers[cfg.tokenizer])
     if modality == "text" or m.tokenizers[cfg.tokenizer].kind == "dit":
         raise RecipeError(
@@ -536,12 +540,7 @@ def build_prefix_lm(cfg: PrefixLMTaskConfig, recipe: RecipeConfig) -> PrefixLMTa
             raise RecipeError(
                 f"a projector maps a tower's output to the backbone: model.towers.{cfg.tokenizer} is missing"
             )
-    bpe_len = getattr(m.tokenizers[cfg.caption_tokenizer], "max_len", None)
     data_len = getattr(cfg.data, "max_len", None)
-    if bpe_len and data_len and data_len > bpe_len:
-        raise RecipeError(
-            f"data.max_len={data_len} exceeds the caption tokenizer's learned positions (max_len={bpe_len})"
-        )
     metric = cfg.main_metric or ("wer" if modality == "audio" else "exact_match")
     return PrefixLMTask(
         PrefixLM(cfg.tokenizer, cfg.caption_tokenizer, cfg.caption_head, cfg.projector),
