@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.strategies import DDPStrategy
 
 from .config import (
     ASTConfig,
@@ -53,6 +54,7 @@ from .config import (
 from .data.audio import audio_classification_data, manifest_rows
 from .data.audio_caption import audio_caption_data
 from .data.datamodule import MultiTaskDataModule
+from .data.leaks import check_no_leaks
 from .data.image import cifar10_data, image_folder_data
 from .data.image_caption import encode_captions, image_caption_data, read_captions, read_class_prompts
 from .data.roots import DataError, DataNotFoundError, resolve_root
@@ -72,6 +74,7 @@ from .models.pretrained import (
 )
 from .models.pretrained.timm_vit import LoadReport, adapt_classifier, adapt_tokenizer, describe_timm_vit
 from .nn.lora import apply_lora
+from .nn.tokens import MODALITY_IDS
 from .registry import lookup, register
 from .tasks import ClassificationTask, MultiTaskModule
 from .tasks.contrastive import ContrastiveTask
@@ -107,8 +110,11 @@ from .training.runs import Run, RunFolder
 @register("backbone", "transformer", BackboneConfig)
 def build_transformer(cfg: BackboneConfig) -> Backbone:
     kwargs = {
-        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("kind", "preset")
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.name not in ("kind", "preset", "bidirectional")
     }
+    kwargs["bidirectional_modalities"] = tuple(MODALITY_IDS[m] for m in cfg.bidirectional)
     return build_backbone(**kwargs)
 
 
@@ -777,6 +783,9 @@ def build_module(
     weights = {n: t.weight for n, t in recipe.tasks.items()}
     module = MultiTaskModule(model, tasks, weights, recipe.optim, recipe_to_yaml(recipe), recipe.seed)
     module.pretrained_configs = dict(getattr(model, "pretrained_configs", {}))
+    module.task_modalities = {
+        n: tokenizer_modality(recipe.model.tokenizers[t.tokenizer]) for n, t in recipe.tasks.items()
+    }
     module.tokenizer_files = {
         n: ((text_tokenizers or {}).get(n) or text_tokenizer(recipe, n)).to_json()
         for n, c in recipe.model.tokenizers.items()
@@ -795,12 +804,14 @@ def build_datamodule(recipe: RecipeConfig) -> MultiTaskDataModule:
     for name, task in recipe.tasks.items():
         entry = lookup("dataset", task.data.kind)
         factories[name] = functools.partial(entry.builder, task.data, task, recipe)
-    dm = MultiTaskDataModule(factories, seed=recipe.seed)
+    dm = MultiTaskDataModule(factories, seed=recipe.seed, multitask=recipe.multitask)
     for name, make in factories.items():
         try:
             dm.data[name] = make()
         except (DataNotFoundError, DataError, FileNotFoundError) as e:
             raise type(e)(f"tasks.{name}.data: {e.args[0] if e.args else e}") from None
+    if len(dm.data) > 1 and recipe.multitask.check_leaks:
+        check_no_leaks({n: (d.train_sources, d.val_sources) for n, d in dm.data.items()})
     return dm
 
 
@@ -888,11 +899,13 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
     )
     t = recipe.trainer
+    # frozen parameters, or the parts of the tasks a sampled step does not train, get no gradient:
+    # DDP must be told (find_unused_parameters), or it waits for them forever
+    unused = bool(freeze) or (recipe.multitask.schedule == "sampled" and len(recipe.tasks) > 1)
     strategy = t.strategy
-    if freeze and (t.devices not in (1, "1") or t.num_nodes > 1) and strategy in ("auto", "ddp"):
-        # frozen parameters get no gradient: DDP must be told, or it waits for them forever
+    if unused and strategy == "ddp":
         strategy = "ddp_find_unused_parameters_true"
-    return L.Trainer(
+    trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         strategy=strategy,
@@ -934,6 +947,9 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         ],
         plugins=[AtomicCheckpointIO()],
     )
+    if unused and isinstance(trainer.strategy, DDPStrategy):  # also when "auto" chose DDP
+        trainer.strategy._ddp_kwargs["find_unused_parameters"] = True
+    return trainer
 
 
 def pin_checkpoint(ckpt: dict | None) -> None:

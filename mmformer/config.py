@@ -52,6 +52,9 @@ class BackboneConfig:
     drop_path: float = 0.0  # stochastic depth at the last block (linear over depth)
     layer_scale: Optional[float] = None  # initial LayerScale value, e.g. 1e-5
     causal: bool = False
+    # modalities whose tokens attend to each other both ways in a causal backbone (Transfusion): a
+    # causal LM and image / audio tasks sharing one backbone, e.g. [image, audio]
+    bidirectional: list[str] = field(default_factory=list)
     positions: str = "none"  # none (tokenizers add absolute ones) | rope | alibi
     rope_base: float = 10_000.0
     rope_axes: int = 1  # 2 = multimodal RoPE over (row, column) of patch grids (Qwen2-VL sections)
@@ -97,6 +100,14 @@ class BackboneConfig:
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
         _positive(self, "window", "mlp_hidden", "d_cond", "rope_axes")
+        from .nn.tokens import MODALITY_IDS
+
+        for name in self.bidirectional:
+            if name not in MODALITY_IDS or name == "text":
+                allowed = [m for m in MODALITY_IDS if m != "text"]
+                raise ValueError(f"bidirectional: {name!r} is not a modality; choose from {allowed}")
+        if self.bidirectional and not self.causal:
+            raise ValueError("bidirectional lists modalities exempt from a causal mask: set causal: true")
 
     @property
     def head_dim(self) -> int:
@@ -776,6 +787,37 @@ class CheckpointConfig:
 
 
 @dataclass
+class MultiTaskConfig:
+    """``multitask``: how a recipe with several tasks mixes them in training.
+
+    ``schedule: all`` — every step holds one batch of every task and the loss is the sum of the tasks'
+    losses times their ``weight`` (each task's data cycles until the longest is done).
+    ``schedule: sampled`` — every step holds one task's batch, drawn with probability proportional to
+    ``sample_weights`` (default: each task's number of training batches, so an epoch visits every task's
+    data once in expectation), the same task on every rank by default: PolyViT's task sampling
+    (Likhosherstov et al. 2021, §3.2). ``steps_per_epoch`` defaults to the sum of the tasks' batches.
+    ``check_leaks`` refuses a recipe where one task's validation samples are another task's training
+    samples (files compared by content, documents by text).
+    """
+
+    schedule: str = "all"  # all | sampled
+    sample_weights: dict[str, float] = field(default_factory=dict)
+    steps_per_epoch: Optional[int] = None
+    same_task_on_all_ranks: bool = True
+    check_leaks: bool = True
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("all", "sampled"):
+            raise ValueError(f"schedule={self.schedule!r}; choose all | sampled")
+        _positive(self, "steps_per_epoch")
+        for name, w in self.sample_weights.items():
+            if not w >= 0:
+                raise ValueError(f"sample_weights.{name} must be >= 0, got {w}")
+        if self.sample_weights and not sum(self.sample_weights.values()) > 0:
+            raise ValueError("sample_weights are all zero: no task would ever train")
+
+
+@dataclass
 class RecipeConfig:
     name: str = MISSING
     seed: int = 0
@@ -785,6 +827,7 @@ class RecipeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    multitask: MultiTaskConfig = field(default_factory=MultiTaskConfig)
     resume: Optional[str] = None  # auto | PATH to a .ckpt
 
 
@@ -964,6 +1007,24 @@ def _check_references(recipe: RecipeConfig) -> None:
                 f"'model.heads.{task.head}.pool' is 'cls' but tokenizer '{task.tokenizer}' has "
                 "class_token: false; use pool: mean or enable the class token"
             )
+
+    mt = recipe.multitask
+    for name in mt.sample_weights:
+        if name not in recipe.tasks:
+            close = difflib.get_close_matches(name, recipe.tasks, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise RecipeError(
+                f"'multitask.sample_weights.{name}' names no task (tasks: {', '.join(recipe.tasks)}).{hint}"
+            )
+    missing = [n for n in recipe.tasks if n not in mt.sample_weights]
+    if mt.sample_weights and missing:
+        raise RecipeError(
+            f"'multitask.sample_weights' gives no weight to {', '.join(missing)}: list every task (0 to skip one)"
+        )
+    if mt.sample_weights and mt.schedule != "sampled":
+        raise RecipeError("'multitask.sample_weights' needs multitask.schedule: sampled")
+    if mt.steps_per_epoch is not None and mt.schedule != "sampled":
+        raise RecipeError("'multitask.steps_per_epoch' needs multitask.schedule: sampled")
 
     for name in recipe.model.towers:
         if name not in recipe.model.tokenizers:

@@ -139,6 +139,8 @@ def audio_classification_data(
     return TaskData(
         train=AudioClips(train, preprocess[0], classes),
         val=AudioClips(val, preprocess[1], classes),
+        train_sources=[p for p, _ in train],
+        val_sources=[p for p, _ in val],
         collate=collate_audio,
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,

@@ -50,6 +50,7 @@ def audio_caption_data(cfg, preprocess, tokenizer):
     """``TaskData`` for an ``AudioCaptionDataConfig``; ``preprocess`` is the (train, val) data side of the
     audio tokenizer, ``tokenizer`` (a ``TextTokenizer``) encodes the transcripts."""
     from .datamodule import TaskData
+    from .leaks import text_source
     from .roots import resolve_root
 
     root = resolve_root(cfg.root)
@@ -59,9 +60,16 @@ def audio_caption_data(cfg, preprocess, tokenizer):
         ids = encode_captions(tokenizer, [str(r[cfg.text_key]) for r in rows], cfg.max_len)
         return AudioCaptions(rows, ids, side, cfg.text_key)
 
+    train, val = make(cfg.train_split, preprocess[0]), make(cfg.val_split, preprocess[1])
+
+    def sources(ds: AudioCaptions) -> list[str]:  # the clips and their transcripts
+        return [p for p, _ in ds.samples] + [text_source(c) for c in ds.captions]
+
     return TaskData(
-        train=make(cfg.train_split, preprocess[0]),
-        val=make(cfg.val_split, preprocess[1]),
+        train=train,
+        val=val,
+        train_sources=sources(train),
+        val_sources=sources(val),
         collate=functools.partial(collate_audio_captions, pad_id=tokenizer.pad_id),
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,

@@ -4,6 +4,7 @@ datasets and loader settings) and every step receives ``{task_name: batch}`` (DE
 Training loaders shard and shuffle with torch's ``DistributedSampler`` (seeded; Lightning calls
 ``set_epoch`` each epoch, so the order is reproducible and resumable at epoch boundaries); evaluation
 loaders shard without padding (``EvalShardSampler``) so synchronised metrics count each sample once.
+With ``multitask.schedule: sampled`` a training step holds one task's batch (``SampledTasks``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .roots import DataError
 from .samplers import EvalShardSampler
+from .task_schedule import SampledTasks
 
 
 @dataclass
@@ -28,6 +30,10 @@ class TaskData:
     val_batch_size: int
     num_workers: int = 0
     drop_last: bool = True
+    # what each split's samples are, for the cross-task leak check (``data.leaks``): file paths or
+    # ``text_source(text)``; None = not checked
+    train_sources: list[str] | None = None
+    val_sources: list[str] | None = None
 
 
 class MultiTaskDataModule(L.LightningDataModule):
@@ -35,11 +41,12 @@ class MultiTaskDataModule(L.LightningDataModule):
     factories: task name → zero-argument function building that task's ``TaskData`` (called in
         ``setup``, in every process).
     seed: shuffling seed shared by all ranks.
+    multitask: the recipe's ``MultiTaskConfig`` (None: every step holds a batch of every task).
     """
 
-    def __init__(self, factories: dict[str, Callable[[], TaskData]], seed: int = 0):
+    def __init__(self, factories: dict[str, Callable[[], TaskData]], seed: int = 0, multitask=None):
         super().__init__()
-        self.factories, self.seed = factories, seed
+        self.factories, self.seed, self.multitask = factories, seed, multitask
         self.data: dict[str, TaskData] = {}
 
     def setup(self, stage: str | None = None) -> None:
@@ -73,10 +80,20 @@ class MultiTaskDataModule(L.LightningDataModule):
             persistent_workers=d.num_workers > 0,
         )
 
-    def train_dataloader(self) -> CombinedLoader:
+    def train_dataloader(self) -> CombinedLoader | SampledTasks:
         self.setup()
-        return CombinedLoader(
-            {n: self._loader(d, d.train, True) for n, d in self.data.items()}, "max_size_cycle"
+        loaders = {n: self._loader(d, d.train, True) for n, d in self.data.items()}
+        mt = self.multitask
+        if mt is None or mt.schedule == "all":
+            return CombinedLoader(loaders, "max_size_cycle")
+        return SampledTasks(
+            loaders,
+            weights=dict(mt.sample_weights) or None,
+            steps=mt.steps_per_epoch,
+            seed=self.seed,
+            rank=self._world()[1],
+            same_on_all_ranks=mt.same_task_on_all_ranks,
+            epoch=lambda: self.trainer.current_epoch if self.trainer is not None else 0,
         )
 
     def val_dataloader(self) -> CombinedLoader:

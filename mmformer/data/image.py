@@ -43,9 +43,13 @@ def image_folder_data(cfg, tok, num_classes: int | None = None) -> TaskData:
             f"has num_classes={num_classes}"
         )
     train_tf, val_tf = _preprocess(cfg, tok)
+    train = ImageFolder(root / cfg.train_split, classes, train_tf, cfg.cache)
+    val = ImageFolder(root / cfg.val_split, classes, val_tf, cfg.cache)
     return TaskData(
-        train=ImageFolder(root / cfg.train_split, classes, train_tf, cfg.cache),
-        val=ImageFolder(root / cfg.val_split, classes, val_tf, cfg.cache),
+        train=train,
+        val=val,
+        train_sources=[p for p, _ in train.samples],
+        val_sources=[p for p, _ in val.samples],
         collate=collate_classification,
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,

@@ -127,6 +127,7 @@ def image_caption_data(cfg, tok_cfg, tokenizer):
     ``tokenizer`` (a ``TextTokenizer``) encodes the captions."""
     from ..tokenizers.image import ImagePreprocess
     from .datamodule import TaskData
+    from .leaks import text_source
     from .roots import resolve_root
 
     root = resolve_root(cfg.root)
@@ -147,9 +148,16 @@ def image_caption_data(cfg, tok_cfg, tokenizer):
             labels,
         )
 
+    train, val = make(cfg.train_split), make(cfg.val_split)
+
+    def sources(ds: ImageCaptions) -> list[str]:  # the image files and the captions
+        return [p for p, _ in ds.rows] + [text_source(c) for _, c in ds.rows]
+
     return TaskData(
-        train=make(cfg.train_split),
-        val=make(cfg.val_split),
+        train=train,
+        val=val,
+        train_sources=sources(train),
+        val_sources=sources(val),
         collate=functools.partial(collate_captions, pad_id=tokenizer.pad_id),
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,

@@ -162,6 +162,7 @@ def text_data(cfg, tokenizer, seed: int):
     from torch.utils.data import default_collate
 
     from .datamodule import TaskData
+    from .leaks import text_source
     from .roots import resolve_root
 
     root = resolve_root(cfg.root)
@@ -176,6 +177,8 @@ def text_data(cfg, tokenizer, seed: int):
     return TaskData(
         train=make(train),
         val=make(val),
+        train_sources=[text_source(docs[i]) for i in train],
+        val_sources=[text_source(docs[i]) for i in val],
         collate=default_collate,
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,

@@ -67,6 +67,7 @@ def text_classification_data(cfg, tokenizer, num_classes: int | None, seed: int)
     import functools
 
     from .datamodule import TaskData
+    from .leaks import text_source
     from .roots import resolve_root
 
     root = resolve_root(cfg.root)
@@ -93,6 +94,8 @@ def text_classification_data(cfg, tokenizer, num_classes: int | None, seed: int)
     return TaskData(
         train=make(train_rows, "train"),
         val=make(val_rows, "val"),
+        train_sources=[text_source(t) for t, _ in train_rows],
+        val_sources=[text_source(t) for t, _ in val_rows],
         collate=functools.partial(collate_texts, pad_id=tokenizer.pad_id),
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,

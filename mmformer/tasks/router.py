@@ -1,7 +1,9 @@
 """The LightningModule every recipe trains: the composed model plus one objective per task.
 
-Each step receives ``{task_name: batch}``; the training loss is the weighted sum of the tasks'
-losses. Logged: ``train/<task>/loss``, ``train/loss``, ``lr``, ``train/grad_norm``,
+Each step receives ``{task_name: batch}`` (every task, or one sampled task: ``multitask.schedule``);
+the training loss is the weighted sum of the losses of the tasks present. Logged: ``train/<task>/loss``,
+``train/modality/<modality>/loss`` (the mean loss of the present tasks that read that modality, when
+the recipe has several tasks), ``train/loss``, ``lr``, ``train/grad_norm``,
 ``val/<task>/<metric>`` (torchmetrics objects, synchronised across ranks at epoch end, and a task's
 ``epoch_metrics()`` computed over the whole validation set). A task's own parameters (a contrastive
 temperature) train in an extra optimizer group without weight decay.
@@ -82,6 +84,7 @@ class MultiTaskModule(L.LightningModule):
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict[str, dict], batch_idx: int) -> torch.Tensor:
         total = 0.0
+        by_modality: dict[str, list[torch.Tensor]] = {}
         for name, task_batch in batch.items():
             if task_batch is None:
                 continue
@@ -89,6 +92,10 @@ class MultiTaskModule(L.LightningModule):
             loss = task.training_loss(self.model, task_batch)
             total = total + self.weights[name] * loss
             self.log(f"train/{name}/loss", loss, batch_size=task.batch_size(task_batch))
+            by_modality.setdefault(self.task_modalities.get(name, "?"), []).append(loss.detach())
+        if len(self.tasks) > 1:
+            for modality, losses in by_modality.items():
+                self.log(f"train/modality/{modality}/loss", torch.stack(losses).mean())
         self.log("train/loss", total, prog_bar=True)
         self.log("lr", max(g["lr"] for g in self.optimizers().param_groups), prog_bar=True)
         return total
@@ -168,6 +175,7 @@ class MultiTaskModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     tokenizer_files: dict[str, str] = {}  # text tokenizers as JSON, set by the builder
+    task_modalities: dict[str, str] = {}  # task → the modality of its input tokenizer, set by the builder
     pretrained_configs: dict[str, dict] = {}  # pretrained sources' family and config, set by the builder
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -14,54 +14,95 @@ from lightning.pytorch.callbacks import WeightAveraging
 log = logging.getLogger("mmformer")
 
 
-def _batch_samples(batch: dict) -> tuple[int, int]:
-    """(samples, real text tokens) in a ``{task: batch}`` step."""
-    n, tokens = 0, 0
-    for task_batch in batch.values():
-        if task_batch is None:
-            continue
-        first = next(v for v in task_batch.values() if isinstance(v, torch.Tensor))
-        n += first.shape[0]
-        if "text_valid" in task_batch:
-            tokens += int(task_batch["text_valid"].sum())
-    return n, tokens
+def _task_samples(task_batch: dict) -> tuple[int, int]:
+    """(samples, real text tokens) of one task's batch."""
+    first = next(v for v in task_batch.values() if isinstance(v, torch.Tensor))
+    tokens = int(task_batch["text_valid"].sum()) if "text_valid" in task_batch else 0
+    return first.shape[0], tokens
+
+
+class _Rate:
+    """Cumulative time / samples / real text tokens of one group of steps, with Lightning's sliding-window
+    ``Throughput`` over them: one meter for samples, one for tokens that advances only on steps that
+    carried text (its windows still span the steps without, so it is tokens per second of wall time)."""
+
+    def __init__(self, window: int, world_size: int):
+        self.samples_meter = Throughput(window_size=window, world_size=world_size)
+        self.tokens_meter = Throughput(window_size=window, world_size=world_size)
+        self.time, self.batches, self.samples, self.tokens, self.text_batches = 0.0, 0, 0, 0, 0
+
+    def update(self, seconds: float, samples: int, tokens: int) -> dict[str, float]:
+        """Returns per-device ``samples_per_sec`` and ``tokens_per_sec`` once the window has 2 points."""
+        self.time, self.batches, self.samples = self.time + seconds, self.batches + 1, self.samples + samples
+        self.samples_meter.update(time=self.time, batches=self.batches, samples=self.samples)
+        out = {}
+        rate = self.samples_meter.compute().get("device/samples_per_sec")
+        if rate is not None:
+            out["samples_per_sec"] = float(rate)
+        if tokens:
+            self.tokens, self.text_batches = self.tokens + tokens, self.text_batches + 1
+            self.tokens_meter.update(time=self.time, batches=self.text_batches, samples=self.tokens)
+        if self.text_batches:
+            rate = self.tokens_meter.compute().get("device/samples_per_sec")
+            if rate is not None:
+                out["tokens_per_sec"] = float(rate)
+        return out
 
 
 class ThroughputLogger(L.Callback):
     """Logs ``throughput/samples_per_sec`` (all ranks together) and ``throughput/device/samples_per_sec``,
     and for text ``throughput/tokens_per_sec`` (real tokens, all ranks), over a sliding window of
-    training batches (by default as long as the logging interval, 2–20)."""
+    training batches (by default as long as the logging interval, 2–20).
+
+    With several tasks it also logs ``throughput/<task>/samples_per_sec`` (and ``tokens_per_sec``) and
+    ``throughput/modality/<modality>/samples_per_sec``: the rate over the wall time of the steps that
+    held that task (or modality), counted as if every rank ran it — under ``multitask.schedule: sampled``
+    the speed of each task alone, under ``all`` the rate its data is consumed at.
+    """
 
     def __init__(self, window_size: int | None = None):
         self.window_size = window_size
 
     def on_train_start(self, trainer, pl_module) -> None:
-        window = self.window_size or min(20, max(2, trainer.log_every_n_steps))
-        self.meter = Throughput(window_size=window, world_size=trainer.world_size)
-        self.t0, self.samples, self.tokens, self.batches = time.perf_counter(), 0, 0, 0
+        self.window = self.window_size or min(20, max(2, trainer.log_every_n_steps))
+        self.world = trainer.world_size
+        self.rates: dict[str, _Rate] = {}
+        self.t_prev = time.perf_counter()
+        self.several = len(getattr(pl_module, "tasks", {})) > 1
+        self.modalities = dict(getattr(pl_module, "task_modalities", {}))
+
+    def _log(self, pl_module, prefix: str, rates: dict[str, float], prog_bar: bool = False) -> None:
+        if "samples_per_sec" in rates:
+            if not prefix:
+                pl_module.log("throughput/device/samples_per_sec", rates["samples_per_sec"])
+            pl_module.log(
+                f"throughput/{prefix}samples_per_sec",
+                rates["samples_per_sec"] * self.world,
+                prog_bar=prog_bar,
+            )
+        if "tokens_per_sec" in rates:
+            pl_module.log(f"throughput/{prefix}tokens_per_sec", rates["tokens_per_sec"] * self.world)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.t_prev = time.perf_counter()  # validation time is not training time
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        samples, tokens = _batch_samples(batch)
-        self.samples, self.tokens, self.batches = (
-            self.samples + samples,
-            self.tokens + tokens,
-            self.batches + 1,
-        )
-        self.meter.update(
-            time=time.perf_counter() - self.t0,
-            batches=self.batches,
-            samples=self.samples,
-            lengths=self.tokens if self.tokens >= self.samples else None,  # tokens only when text is counted
-        )
-        metrics = self.meter.compute()
-        if "device/samples_per_sec" in metrics:
-            device = float(metrics["device/samples_per_sec"])
-            pl_module.log("throughput/device/samples_per_sec", device)
-            pl_module.log("throughput/samples_per_sec", device * trainer.world_size, prog_bar=True)
-        if self.tokens and "device/items_per_sec" in metrics:
-            pl_module.log(
-                "throughput/tokens_per_sec", float(metrics["device/items_per_sec"]) * trainer.world_size
-            )
+        now = time.perf_counter()
+        seconds, self.t_prev = now - self.t_prev, now
+        groups: dict[str, list[int]] = {"": [0, 0]}
+        for name, task_batch in (batch or {}).items():
+            if task_batch is None:
+                continue
+            samples, tokens = _task_samples(task_batch)
+            keys = [""]
+            if self.several:
+                keys += [f"{name}/", f"modality/{self.modalities.get(name, '?')}/"]
+            for key in keys:
+                g = groups.setdefault(key, [0, 0])
+                g[0], g[1] = g[0] + samples, g[1] + tokens
+        for key, (samples, tokens) in groups.items():
+            rate = self.rates.setdefault(key, _Rate(self.window, self.world))
+            self._log(pl_module, key, rate.update(seconds, samples, tokens), prog_bar=key == "")
 
 
 class BadSampleReport(L.Callback):
