@@ -797,7 +797,9 @@ class MultiTaskConfig:
     data once in expectation), the same task on every rank by default: PolyViT's task sampling
     (Likhosherstov et al. 2021, §3.2). ``steps_per_epoch`` defaults to the sum of the tasks' batches.
     ``check_leaks`` refuses a recipe where one task's validation samples are another task's training
-    samples (files compared by content, documents by text).
+    samples (files compared by content, documents by text). ``only: [task, …]`` trains a subset of the
+    tasks (dropping the model parts only the others use): the single-task runs to compare a joint run
+    with, from the same recipe.
     """
 
     schedule: str = "all"  # all | sampled
@@ -805,6 +807,7 @@ class MultiTaskConfig:
     steps_per_epoch: Optional[int] = None
     same_task_on_all_ranks: bool = True
     check_leaks: bool = True
+    only: list[str] = field(default_factory=list)  # train just these tasks (single-task comparisons)
 
     def __post_init__(self) -> None:
         if self.schedule not in ("all", "sampled"):
@@ -873,7 +876,7 @@ def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
         _guard("", lambda k=key, v=value: OmegaConf.update(cfg, k, v, merge=True), RecipeConfig, key)
     _guard("", lambda: OmegaConf.resolve(cfg), RecipeConfig)
     for f in fields(RecipeConfig):  # validate section by section, so errors name their section
-        if is_dataclass(f.type) or f.name in ("optim", "trainer", "logger", "checkpoint"):
+        if is_dataclass(f.type) or f.name in ("optim", "trainer", "logger", "checkpoint", "multitask"):
             _guard(f.name, lambda n=f.name: OmegaConf.to_object(cfg[n]), RecipeConfig)
     recipe: RecipeConfig = _guard("", lambda: OmegaConf.to_object(cfg), RecipeConfig)
 
@@ -893,8 +896,40 @@ def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
         task.data = _component("dataset", task.data, f"tasks.{name}.data")
         tasks[name] = task
     recipe.tasks = tasks
+    if recipe.multitask.only:
+        _keep_only(recipe, recipe.multitask.only)
     _check_references(recipe)
     return recipe
+
+
+def _keep_only(recipe: RecipeConfig, names: list[str]) -> None:
+    """``multitask.only``: train a subset of a multi-task recipe's tasks (the single-task runs a joint
+    run is compared with): the other tasks, and the tokenizers, towers and heads only they use, are
+    dropped; the recipe's name gets ``-only-<tasks>``."""
+    unknown = [n for n in names if n not in recipe.tasks]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], recipe.tasks, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise RecipeError(
+            f"'multitask.only' names {unknown[0]!r}, which is not a task ({', '.join(recipe.tasks)}).{hint}"
+        )
+    recipe.tasks = {n: t for n, t in recipe.tasks.items() if n in names}
+    used = {
+        getattr(t, a, None)
+        for t in recipe.tasks.values()
+        for a in ("tokenizer", "caption_tokenizer", "head", "caption_head", "projector")
+    }
+    m = recipe.model
+    m.tokenizers = {k: v for k, v in m.tokenizers.items() if k in used}
+    m.towers = {k: v for k, v in m.towers.items() if k in used}
+    m.heads = {k: v for k, v in m.heads.items() if k in used}
+    mt = recipe.multitask
+    mt.sample_weights = {k: v for k, v in mt.sample_weights.items() if k in names}
+    if len(recipe.tasks) == 1:  # nothing left to sample from
+        mt.schedule, mt.sample_weights, mt.steps_per_epoch = "all", {}, None
+    suffix = "-only-" + "-".join(names)
+    if not recipe.name.endswith(suffix):
+        recipe.name += suffix
 
 
 def _parse_override(item: str) -> tuple[str, Any]:

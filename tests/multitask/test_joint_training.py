@@ -203,3 +203,22 @@ def test_ddp_with_different_tasks_per_rank_averages_like_one_process(joint, tmp_
             expected = p.grad if p.grad is not None else torch.zeros_like(p)
             got = grads[name] if grads[name] is not None else torch.zeros_like(p)
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_only_keeps_one_task_and_the_parts_it_uses(joint):
+    recipe = recipe_from_yaml(
+        joint.read_text(),
+        [
+            "multitask.schedule=sampled",
+            "multitask.sample_weights={shapes: 1, corpus: 2}",
+            "multitask.only=[corpus]",
+        ],
+    )
+    assert list(recipe.tasks) == ["corpus"] and recipe.name == "joint-only-corpus"
+    assert list(recipe.model.tokenizers) == ["text"] and list(recipe.model.heads) == ["lm"]
+    assert recipe.multitask.schedule == "all" and not recipe.multitask.sample_weights
+    from mmformer.config import recipe_to_yaml
+
+    assert recipe_from_yaml(recipe_to_yaml(recipe)) == recipe  # reloads (from a checkpoint) unchanged
+    with pytest.raises(RecipeError, match="Did you mean 'corpus'"):
+        recipe_from_yaml(joint.read_text(), ["multitask.only=[corpse]"])

@@ -191,3 +191,85 @@ def test_validation_decodes_and_scores_the_held_out_text():
     assert float(task.val_metrics["exact_match"].compute()) == pytest.approx(0.5)
     assert task.examples[0] == (normalize_text(hyps[0]), normalize_text(hyps[0]))
     assert torch.isfinite(task.val_metrics["loss"].compute())
+
+
+# ------------------------------------------------------------------ encoder → LLM bridge (projector)
+def test_projector_stacks_frames_exactly_and_ignores_padding():
+    from mmformer.models.heads import ProjectorHead
+    from mmformer.nn.tokens import Tokens
+
+    torch.manual_seed(0)
+    head = ProjectorHead(4, 6, stack=2, hidden=5)
+    h = torch.randn(2, 5, 4)
+    valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    tokens = Tokens.from_embeddings(h, 0, valid=valid)
+    tokens.modality = torch.full((2, 5), 2)
+    out = head(h, tokens)
+    assert out.x.shape == (2, 3, 6)
+    assert out.valid.tolist() == [[True, True, True], [True, True, False]]
+    assert out.modality.tolist() == [[2, 2, 2], [2, 2, 2]]
+
+    # token j = fc2(gelu(fc1([h[2j], h[2j+1]]))), the missing / padded half read as zeros
+    def mlp(x):
+        return head.fc2(torch.nn.functional.gelu(head.fc1(x)))
+
+    torch.testing.assert_close(out.x[0, 1], mlp(torch.cat([h[0, 2], h[0, 3]])))
+    torch.testing.assert_close(out.x[0, 2], mlp(torch.cat([h[0, 4], torch.zeros(4)])))
+    torch.testing.assert_close(out.x[1, 1], mlp(torch.cat([h[1, 2], torch.zeros(4)])))
+    garbage = h.clone()
+    garbage[1, 3:] = 1e3  # padding never reaches a real token
+    torch.testing.assert_close(head(garbage, tokens).x[1, :2], out.x[1, :2])
+
+
+def _bridged(seed=0):
+    from mmformer.models.heads import ProjectorHead
+
+    torch.manual_seed(seed)
+    D_enc, D = 24, 32
+    tok = ASTPatchTokenizer(
+        D_enc, LogMel(8000, 200, 80, 16, normalize="utterance"), (8, 4), (8, 4), max_frames=101
+    )
+    model = MultimodalModel(
+        {"audio": tok, "text": TextEmbedding(V, D, 16)},
+        build_backbone(D, 2, 2, causal=True),
+        {"lm": LMHead(D, V), "bridge": ProjectorHead(D_enc, D, stack=3)},
+        towers={"audio": build_backbone(D_enc, 1, 2)},
+    )
+    for p in model.parameters():
+        p.data.normal_(0, 0.5)
+    return model.eval(), PrefixLM("audio", "text", "lm", "bridge")
+
+
+def test_bridged_decoding_equals_recomputation_and_batches_like_one_at_a_time():
+    model, names = _bridged(seed=2)
+    wave, valid = _waves([300, 800, 560], seed=2)
+    out = names.generate(model, wave, BOS, EOS, 4, prefix_valid=valid)
+    for b in range(3):
+        n = int(valid[b].sum())
+        w, v = wave[b : b + 1, :n], valid[b : b + 1, :n]
+        assert names.generate(model, w, BOS, EOS, 4, prefix_valid=v)[0] == out[b]
+        seq = [BOS]  # greedy by full teacher-forced recomputation, no cache
+        for _ in range(4):
+            ids = torch.tensor([seq])
+            with torch.no_grad():
+                logits = names.logits(model, w, ids, torch.ones_like(ids, dtype=torch.bool), prefix_valid=v)
+            nxt = int(logits[0, -1].argmax())
+            if nxt == EOS:
+                break
+            seq.append(nxt)
+        assert out[b] == seq[1:]
+
+
+def test_bridge_trains_only_the_projector_when_encoder_and_llm_are_frozen():
+    model, names = _bridged()
+    model.train()
+    for part in (model.tokenizers, model.towers, model.backbone, model.heads["lm"]):
+        part.requires_grad_(False)
+    wave, valid = _waves([400, 800])
+    ids = torch.tensor([[BOS, 1, 0, EOS], [BOS, 4, EOS, 0]])
+    text_valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    logits = names.logits(model, wave, ids, text_valid, prefix_valid=valid)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+    loss.backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert trained == {n for n, _ in model.named_parameters() if n.startswith("heads.bridge.")}
