@@ -54,9 +54,9 @@ from .config import (
 from .data.audio import audio_classification_data, manifest_rows
 from .data.audio_caption import audio_caption_data
 from .data.datamodule import MultiTaskDataModule
-from .data.leaks import check_no_leaks
 from .data.image import cifar10_data, image_folder_data
 from .data.image_caption import encode_captions, image_caption_data, read_captions, read_class_prompts
+from .data.leaks import check_no_leaks
 from .data.roots import DataError, DataNotFoundError, resolve_root
 from .data.text import corpus_split, text_data
 from .data.text_classification import text_classification_data
