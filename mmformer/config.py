@@ -715,12 +715,15 @@ class OptimConfig:
     layer_decay: Optional[float] = None  # layer-wise LR decay: block i of L trains at lr · decay^(L - i)
     ema_decay: Optional[float] = None  # keep an EMA of the weights (validation, checkpoints, sampling use it)
     freeze_pretrained_epochs: int = 0  # the parts of kind pretrained train frozen (linear probe) this long
+    # a NaN / inf loss or gradient skips the update on every rank; this many in a row stop the run
+    max_nonfinite_steps: int = 5
 
     def __post_init__(self) -> None:
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.name != "adamw":
             raise ValueError(f"optim.name={self.name!r}; only 'adamw' is available")
+        _positive(self, "max_nonfinite_steps")
         if self.freeze_pretrained_epochs < 0:
             raise ValueError(f"freeze_pretrained_epochs must be >= 0, got {self.freeze_pretrained_epochs}")
         if self.schedule not in ("cosine", "linear", "constant"):

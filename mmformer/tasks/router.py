@@ -3,7 +3,8 @@
 Each step receives ``{task_name: batch}`` (every task, or one sampled task: ``multitask.schedule``);
 the training loss is the weighted sum of the losses of the tasks present. Logged: ``train/<task>/loss``,
 ``train/modality/<modality>/loss`` (the mean loss of the present tasks that read that modality, when
-the recipe has several tasks), ``train/loss``, ``lr``, ``train/grad_norm``,
+the recipe has several tasks), ``train/loss``, ``lr``, ``train/grad_norm``, ``train/nonfinite_steps``
+(updates skipped because a loss or gradient was NaN / inf on some rank — all ranks skip together),
 ``val/<task>/<metric>`` (torchmetrics objects, synchronised across ranks at epoch end, and a task's
 ``epoch_metrics()`` computed over the whole validation set). A task's own parameters (a contrastive
 temperature) train in an extra optimizer group without weight decay.
@@ -19,7 +20,7 @@ import random
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.utilities import grad_norm
+from lightning.pytorch.utilities import grad_norm, rank_zero_warn
 from torch import nn
 
 from ..models.model import MultimodalModel
@@ -52,6 +53,27 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def all_finite(params: list[torch.Tensor], reduce=None) -> bool:
+    """True when every ``param.grad`` is finite on every rank. ``reduce(tensor, reduce_op="sum")`` sums
+    over ranks (the strategy's ``reduce``; None on one process): one scalar all-reduce, so all ranks
+    decide together even when their gradients differ (sharded, or not yet averaged)."""
+    bad = torch.zeros((), device=params[0].device if params else "cpu")
+    for p in params:
+        bad = bad + (~torch.isfinite(p.grad)).any().to(bad.dtype)
+    if reduce is not None:
+        bad = reduce(bad, reduce_op="sum")
+    return bool(bad == 0)
+
+
+def _shapes(batch: dict) -> str:
+    """``key (shape) dtype`` of a batch's tensors, for error messages."""
+    return ", ".join(
+        f"{k} {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+        for k, v in batch.items()
+        if isinstance(v, torch.Tensor)
+    )
+
+
 class MultiTaskModule(L.LightningModule):
     """Args:
     model: the composed ``MultimodalModel``.
@@ -62,6 +84,8 @@ class MultiTaskModule(L.LightningModule):
     seed: the recipe's seed; each rank's random stream (dropout, augmentation in the main
         process) is seeded from it and the rank, so ranks do not draw identical masks and crops.
     """
+
+    last_tasks: list[str] = []  # the tasks of the current training step (for messages)
 
     def __init__(
         self,
@@ -85,11 +109,19 @@ class MultiTaskModule(L.LightningModule):
     def training_step(self, batch: dict[str, dict], batch_idx: int) -> torch.Tensor:
         total = 0.0
         by_modality: dict[str, list[torch.Tensor]] = {}
+        self.last_tasks = [n for n, b in batch.items() if b is not None]
         for name, task_batch in batch.items():
             if task_batch is None:
                 continue
             task = self.tasks[name]
-            loss = task.training_loss(self.model, task_batch)
+            try:
+                loss = task.training_loss(self.model, task_batch)
+            except torch.OutOfMemoryError as e:
+                raise torch.OutOfMemoryError(
+                    f"out of memory in task {name!r}'s training step, batch {_shapes(task_batch)}: lower "
+                    f"tasks.{name}.data.batch_size (and raise trainer.accumulate_grad_batches to keep the "
+                    "global batch), use trainer.precision=bf16-mixed, or shorten the sequences"
+                ) from e
             total = total + self.weights[name] * loss
             self.log(f"train/{name}/loss", loss, batch_size=task.batch_size(task_batch))
             by_modality.setdefault(self.task_modalities.get(name, "?"), []).append(loss.detach())
@@ -150,8 +182,42 @@ class MultiTaskModule(L.LightningModule):
                 )
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        # After backward (and DDP's gradient all-reduce), before clipping and the update.
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        reduce = self.trainer.strategy.reduce if self.trainer.world_size > 1 else None
+        if not all_finite(params, reduce):
+            self._skip_update(params)
+            return
+        self.nonfinite_in_a_row = 0
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             self.log("train/grad_norm", grad_norm(self.model, norm_type=2)["grad_2.0_norm_total"])
+
+    # ------------------------------------------------------------------ non-finite steps
+    nonfinite_steps = 0  # updates skipped so far (this process's run)
+    nonfinite_in_a_row = 0
+
+    def _skip_update(self, params: list[torch.Tensor]) -> None:
+        """A NaN / inf loss or gradient: drop every gradient, so AdamW leaves the weights and its moments
+        untouched this step (the LR schedule still advances); stop after ``optim.max_nonfinite_steps`` in a
+        row."""
+        for p in params:
+            p.grad = None
+        self.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        step, tasks = self.trainer.global_step, ", ".join(self.last_tasks)
+        self.log("train/nonfinite_steps", float(self.nonfinite_steps))
+        limit = self.optim_cfg.max_nonfinite_steps
+        if self.nonfinite_in_a_row >= limit:
+            raise FloatingPointError(
+                f"the loss or its gradients were NaN / inf for {limit} steps in a row (last: step {step}, "
+                f"tasks {tasks}); the run stops. Lower optim.lr, check the data of those tasks, use "
+                "trainer.precision=32-true, or raise optim.max_nonfinite_steps. Resume from the last "
+                "checkpoint with resume=auto."
+            )
+        rank_zero_warn(
+            f"step {step}: the loss or its gradients are NaN / inf (tasks {tasks}); the update is skipped "
+            f"on every rank ({self.nonfinite_in_a_row} in a row, {self.nonfinite_steps} so far)"
+        )
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
