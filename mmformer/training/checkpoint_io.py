@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -58,4 +60,11 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
+            self._save_checkpoint(trainer, self.format_checkpoint_name({}))
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # SIGTERM (preemption, scancel, docker stop): Lightning finishes the current step, then every rank
+        # raises SIGTERMException together; save here so `resume=auto` loses nothing.
+        if isinstance(exception, SIGTERMException) and self._last_global_step_saved != trainer.global_step:
+            rank_zero_info(f"SIGTERM at step {trainer.global_step}: saving {self.format_checkpoint_name({})}")
             self._save_checkpoint(trainer, self.format_checkpoint_name({}))

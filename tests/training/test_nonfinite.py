@@ -94,3 +94,28 @@ def test_out_of_memory_names_the_task_and_the_batch(tiny_recipe, monkeypatch):
     recipe = load_recipe(tiny_recipe, ["trainer.max_epochs=1"])
     with pytest.raises(torch.OutOfMemoryError, match=r"task 'toy'.*image \(4, 1, 28, 28\).*batch_size"):
         train(recipe)
+
+
+class SigtermAt(L.Callback):
+    """Sends this process SIGTERM (as a preemption would) during training step ``step``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_last_checkpoint_after_the_current_step_and_resume_continues(tiny_recipe, workdir):
+    recipe = load_recipe(tiny_recipe, ["trainer.max_epochs=2"])  # 4 steps per epoch
+    with pytest.raises(SystemExit):
+        train(recipe, extra_callbacks=[SigtermAt(5)])  # mid-epoch 1, between validations
+    (run,) = (workdir / "runs" / "tiny").iterdir()
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 6  # the step in flight finished, then the state was saved
+    trainer, run2 = train(load_recipe(tiny_recipe, ["trainer.max_epochs=2", "resume=auto"]))
+    assert run2.dir == run and trainer.global_step == 8
