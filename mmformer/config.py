@@ -905,6 +905,16 @@ def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
     return recipe
 
 
+# The task fields that name model parts: tokenizers (a contrastive, diffusion or prefix-LM task's
+# captions read a second one) and heads (a caption head, a prefix-LM's projector).
+TOKENIZER_REFS = ("tokenizer", "caption_tokenizer")
+HEAD_REFS = ("head", "caption_head", "projector")
+
+
+def _referenced(tasks, fields: tuple[str, ...]) -> set[str]:
+    return {getattr(t, f) for t in tasks for f in fields if getattr(t, f, None) is not None}
+
+
 def _keep_only(recipe: RecipeConfig, names: list[str]) -> None:
     """``multitask.only``: train a subset of a multi-task recipe's tasks (the single-task runs a joint
     run is compared with): the other tasks, and the tokenizers, towers and heads only they use, are
@@ -917,15 +927,14 @@ def _keep_only(recipe: RecipeConfig, names: list[str]) -> None:
             f"'multitask.only' names {unknown[0]!r}, which is not a task ({', '.join(recipe.tasks)}).{hint}"
         )
     recipe.tasks = {n: t for n, t in recipe.tasks.items() if n in names}
-    used = {
-        getattr(t, a, None)
-        for t in recipe.tasks.values()
-        for a in ("tokenizer", "caption_tokenizer", "head", "caption_head", "projector")
-    }
+    tokenizers, heads = (
+        _referenced(recipe.tasks.values(), TOKENIZER_REFS),
+        _referenced(recipe.tasks.values(), HEAD_REFS),
+    )
     m = recipe.model
-    m.tokenizers = {k: v for k, v in m.tokenizers.items() if k in used}
-    m.towers = {k: v for k, v in m.towers.items() if k in used}
-    m.heads = {k: v for k, v in m.heads.items() if k in used}
+    m.tokenizers = {k: v for k, v in m.tokenizers.items() if k in tokenizers}
+    m.towers = {k: v for k, v in m.towers.items() if k in tokenizers}
+    m.heads = {k: v for k, v in m.heads.items() if k in heads}
     mt = recipe.multitask
     mt.sample_weights = {k: v for k, v in mt.sample_weights.items() if k in names}
     if len(recipe.tasks) == 1:  # nothing left to sample from
@@ -1105,11 +1114,11 @@ def _check_references(recipe: RecipeConfig) -> None:
                     f"'tasks.{name}.{attr}' refers to {ref!r}, which is not in "
                     f"model.{kind} ({', '.join(table) or 'none defined'}).{hint}"
                 )
-    for attr, table in (("tokenizer", recipe.model.tokenizers), ("head", recipe.model.heads)):
-        used = {getattr(t, attr, None) for t in recipe.tasks.values()}
-        # a diffusion or contrastive task's captions read a second tokenizer (and head)
-        used |= {getattr(t, f"caption_{attr}", None) for t in recipe.tasks.values()}
-        used |= {getattr(t, "projector", None) for t in recipe.tasks.values()}  # a prefix-LM's projector head
+    for attr, table, refs in (
+        ("tokenizer", recipe.model.tokenizers, TOKENIZER_REFS),
+        ("head", recipe.model.heads, HEAD_REFS),
+    ):
+        used = _referenced(recipe.tasks.values(), refs)
         for name in table:
             if name not in used:  # an unused part would be trained by nobody (and breaks DDP)
                 raise RecipeError(
