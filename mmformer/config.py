@@ -800,7 +800,7 @@ class MultiTaskConfig:
     data once in expectation), the same task on every rank by default: PolyViT's task sampling
     (Likhosherstov et al. 2021, §3.2). ``steps_per_epoch`` defaults to the sum of the tasks' batches.
     ``check_leaks`` refuses a recipe where one task's validation samples are another task's training
-    samples (files compared by content, documents by text). ``only: [task, …]`` trains a subset of the
+    samples (files compared by content, corpus documents and texts to classify by text). ``only: [task, …]`` trains a subset of the
     tasks (dropping the model parts only the others use): the single-task runs to compare a joint run
     with, from the same recipe.
     """
@@ -939,6 +939,9 @@ def _keep_only(recipe: RecipeConfig, names: list[str]) -> None:
     mt.sample_weights = {k: v for k, v in mt.sample_weights.items() if k in names}
     if len(recipe.tasks) == 1:  # nothing left to sample from
         mt.schedule, mt.sample_weights, mt.steps_per_epoch = "all", {}, None
+    monitor = recipe.checkpoint.monitor or ""
+    if monitor.count("/") >= 2 and monitor.split("/")[1] not in recipe.tasks:
+        recipe.checkpoint.monitor = None  # it named a dropped task: the kept task's main metric instead
     suffix = "-only-" + "-".join(names)
     if not recipe.name.endswith(suffix):
         recipe.name += suffix
@@ -1072,6 +1075,12 @@ def _check_references(recipe: RecipeConfig) -> None:
         raise RecipeError("'multitask.sample_weights' needs multitask.schedule: sampled")
     if mt.steps_per_epoch is not None and mt.schedule != "sampled":
         raise RecipeError("'multitask.steps_per_epoch' needs multitask.schedule: sampled")
+    gathering = [n for n, t in recipe.tasks.items() if t.kind == "contrastive"]
+    if mt.schedule == "sampled" and not mt.same_task_on_all_ranks and gathering and len(recipe.tasks) > 1:
+        raise RecipeError(
+            f"'multitask.same_task_on_all_ranks: false' would hang: task {gathering[0]!r} gathers features "
+            "from every rank inside its step, so all ranks must run it at the same step (set it to true)"
+        )
 
     for name in recipe.model.towers:
         if name not in recipe.model.tokenizers:

@@ -50,7 +50,6 @@ def audio_caption_data(cfg, preprocess, tokenizer):
     """``TaskData`` for an ``AudioCaptionDataConfig``; ``preprocess`` is the (train, val) data side of the
     audio tokenizer, ``tokenizer`` (a ``TextTokenizer``) encodes the transcripts."""
     from .datamodule import TaskData
-    from .leaks import text_source
     from .roots import resolve_root
 
     root = resolve_root(cfg.root)
@@ -62,8 +61,8 @@ def audio_caption_data(cfg, preprocess, tokenizer):
 
     train, val = make(cfg.train_split, preprocess[0]), make(cfg.val_split, preprocess[1])
 
-    def sources(ds: AudioCaptions) -> list[str]:  # the clips and their transcripts
-        return [p for p, _ in ds.samples] + [text_source(c) for c in ds.captions]
+    def sources(ds: AudioCaptions) -> list[str]:  # the clips (one sentence may be read in many)
+        return [p for p, _ in ds.samples]
 
     return TaskData(
         train=train,

@@ -127,7 +127,6 @@ def image_caption_data(cfg, tok_cfg, tokenizer):
     ``tokenizer`` (a ``TextTokenizer``) encodes the captions."""
     from ..tokenizers.image import ImagePreprocess
     from .datamodule import TaskData
-    from .leaks import text_source
     from .roots import resolve_root
 
     root = resolve_root(cfg.root)
@@ -150,8 +149,8 @@ def image_caption_data(cfg, tok_cfg, tokenizer):
 
     train, val = make(cfg.train_split), make(cfg.val_split)
 
-    def sources(ds: ImageCaptions) -> list[str]:  # the image files and the captions
-        return [p for p, _ in ds.rows] + [text_source(c) for _, c in ds.rows]
+    def sources(ds: ImageCaptions) -> list[str]:  # the images (a caption may describe several)
+        return [p for p, _ in ds.rows]
 
     return TaskData(
         train=train,

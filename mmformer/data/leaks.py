@@ -1,7 +1,9 @@
-"""Cross-task leakage check for multi-task recipes: no task's validation (test) samples may be any
+"""Cross-task leakage check for multi-task recipes: no task's validation (test) samples may be another
 task's training samples. Samples are compared by content, not by name: a file by the BLAKE2b digest of
-its bytes (a copy under another root is still the same image or clip), a text (a corpus document, a
-caption, a transcript) by its whitespace-normalised string.
+its bytes (a copy under another root is still the same image or clip; only files whose size occurs on
+both sides are read), a text that is itself the sample (a corpus document, a text to classify) by its
+whitespace-normalised string. Captions and transcripts are not samples (two images may share one).
+A task's own train / validation split is its dataset's business and is not compared.
 
 A dataset declares its samples' sources through ``TaskData.train_sources`` / ``val_sources``: file
 paths, or ``"text:" + text``. Data without sources (a torchvision dataset) is not checked.
@@ -10,6 +12,7 @@ paths, or ``"text:" + text``. Data without sources (a torchvision dataset) is no
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,13 +38,25 @@ def _digest(source: str, cache: dict[str, str]) -> str:
     return cache[source]
 
 
-def _fingerprints(sources: Iterable[str], cache: dict[str, str]) -> dict[str, str]:
-    """digest → one source with that digest (for the error message)."""
+def _size(source: str) -> int | None:
+    if source.startswith(TEXT):
+        return -1  # texts are compared by their (cheap) normalised string
+    try:
+        return os.path.getsize(source)
+    except OSError:  # unreadable files are reported by the dataset when read
+        return None
+
+
+def _fingerprints(sources: Iterable[str], cache: dict[str, str], sizes: set[int]) -> dict[str, str]:
+    """digest → one source with that digest (for the error message), for the sources whose size is in
+    ``sizes`` (a file of another size cannot be equal to any on the other side)."""
     out: dict[str, str] = {}
     for s in sources:
+        if _size(s) not in sizes:
+            continue
         try:
             out.setdefault(_digest(s, cache), s)
-        except OSError:  # unreadable files are reported by the dataset when read
+        except OSError:
             continue
     return out
 
@@ -50,13 +65,21 @@ def check_no_leaks(sources: dict[str, tuple[list[str] | None, list[str] | None]]
     """``sources``: task → (train sources, validation sources). Raises ``DataError`` naming each pair
     (validation task, training task) that shares samples, with their count and a few examples."""
     cache: dict[str, str] = {}
-    train = {n: _fingerprints(t, cache) for n, (t, _) in sources.items() if t is not None}
+    sizes = {
+        n: ({_size(s) for s in t} if t else set(), {_size(s) for s in v} if v else set())
+        for n, (t, v) in sources.items()
+    }
     problems = []
     for val_task, (_, val) in sources.items():
         if val is None:
             continue
-        held_out = _fingerprints(val, cache)
-        for train_task, seen in train.items():
+        for train_task, (train, _) in sources.items():
+            if train_task == val_task or train is None:
+                continue
+            both = sizes[val_task][1] & sizes[train_task][0] - {None}
+            if not both:
+                continue
+            held_out, seen = _fingerprints(val, cache, both), _fingerprints(train, cache, both)
             shared = [held_out[d] for d in held_out.keys() & seen.keys()]
             if shared:
                 examples = ", ".join(

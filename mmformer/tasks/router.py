@@ -184,6 +184,8 @@ class MultiTaskModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         # After backward (and DDP's gradient all-reduce), before clipping and the update.
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            params = []  # 16-mixed: GradScaler skips overflowing steps itself and lowers the scale
         reduce = self.trainer.strategy.reduce if self.trainer.world_size > 1 else None
         if not all_finite(params, reduce):
             self._skip_update(params)

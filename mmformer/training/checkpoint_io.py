@@ -62,9 +62,27 @@ class LastCheckpoint(ModelCheckpoint):
         if self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
             self._save_checkpoint(trainer, self.format_checkpoint_name({}))
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # SIGTERM (preemption, scancel, docker stop) may reach one rank, or reach ranks a step apart:
+        # agree first (one all-reduce), then every rank saves at this same step and stops after it.
+        stop = trainer.received_sigterm
+        if trainer.world_size > 1:
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
+            trainer._signal_connector.received_sigterm = True  # Lightning stops every rank after this step
+            if self._last_global_step_saved != trainer.global_step:
+                rank_zero_info(
+                    f"SIGTERM at step {trainer.global_step}: saving {self.format_checkpoint_name({})}"
+                )
+                self._save_checkpoint(trainer, self.format_checkpoint_name({}))
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        # SIGTERM (preemption, scancel, docker stop): Lightning finishes the current step, then every rank
-        # raises SIGTERMException together; save here so `resume=auto` loses nothing.
-        if isinstance(exception, SIGTERMException) and self._last_global_step_saved != trainer.global_step:
-            rank_zero_info(f"SIGTERM at step {trainer.global_step}: saving {self.format_checkpoint_name({})}")
+        # SIGTERM outside a training step (during validation): one process can save safely; several
+        # might not all be here, so they keep the last agreed checkpoint.
+        if (
+            isinstance(exception, SIGTERMException)
+            and trainer.world_size == 1
+            and self._last_global_step_saved != trainer.global_step
+        ):
             self._save_checkpoint(trainer, self.format_checkpoint_name({}))

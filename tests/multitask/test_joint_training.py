@@ -222,3 +222,29 @@ def test_only_keeps_one_task_and_the_parts_it_uses(joint):
     assert recipe_from_yaml(recipe_to_yaml(recipe)) == recipe  # reloads (from a checkpoint) unchanged
     with pytest.raises(RecipeError, match="Did you mean 'corpus'"):
         recipe_from_yaml(joint.read_text(), ["multitask.only=[corpse]"])
+
+
+def test_ranks_drawing_their_own_tasks_is_refused_when_a_task_gathers_across_ranks(joint):
+    text = (
+        joint.read_text()
+        .replace(
+            "  corpus:\n",
+            "  pairs:\n    kind: contrastive\n    tokenizer: image\n    head: emb\n    caption_tokenizer: text\n"
+            "    caption_head: cap\n    data: {kind: image_caption, root: x, batch_size: 4, max_len: 16}\n  corpus:\n",
+        )
+        .replace(
+            "lm: {kind: lm}}",
+            "lm: {kind: lm}, emb: {kind: projection, embed_dim: 8, pool: mean}, "
+            "cap: {kind: projection, embed_dim: 8, pool: mean}}",
+        )
+    )
+    recipe_from_yaml(text, ["multitask.schedule=sampled"])  # same task on every rank: fine
+    with pytest.raises(RecipeError, match="would hang: task 'pairs' gathers"):
+        recipe_from_yaml(text, ["multitask.schedule=sampled", "multitask.same_task_on_all_ranks=false"])
+
+
+def test_only_forgets_a_monitor_of_a_dropped_task(joint):
+    recipe = recipe_from_yaml(
+        joint.read_text(), ["checkpoint.monitor=val/shapes/acc", "multitask.only=[corpus]"]
+    )
+    assert recipe.checkpoint.monitor is None
