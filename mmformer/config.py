@@ -800,9 +800,9 @@ class MultiTaskConfig:
     data once in expectation), the same task on every rank by default: PolyViT's task sampling
     (Likhosherstov et al. 2021, §3.2). ``steps_per_epoch`` defaults to the sum of the tasks' batches.
     ``check_leaks`` refuses a recipe where one task's validation samples are another task's training
-    samples (files compared by content, corpus documents and texts to classify by text). ``only: [task, …]`` trains a subset of the
-    tasks (dropping the model parts only the others use): the single-task runs to compare a joint run
-    with, from the same recipe.
+    samples (files compared by content, corpus documents and texts to classify by text).
+    ``only: [task, …]`` trains a subset of the tasks (dropping the model parts only the others use):
+    the single-task runs to compare a joint run with, from the same recipe.
     """
 
     schedule: str = "all"  # all | sampled

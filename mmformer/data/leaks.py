@@ -47,12 +47,14 @@ def _size(source: str) -> int | None:
         return None
 
 
-def _fingerprints(sources: Iterable[str], cache: dict[str, str], sizes: set[int]) -> dict[str, str]:
+def _fingerprints(
+    sources: Iterable[str], cache: dict[str, str], size_of: dict[str, int | None], sizes: set[int]
+) -> dict[str, str]:
     """digest → one source with that digest (for the error message), for the sources whose size is in
     ``sizes`` (a file of another size cannot be equal to any on the other side)."""
     out: dict[str, str] = {}
     for s in sources:
-        if _size(s) not in sizes:
+        if size_of[s] not in sizes:
             continue
         try:
             out.setdefault(_digest(s, cache), s)
@@ -65,9 +67,9 @@ def check_no_leaks(sources: dict[str, tuple[list[str] | None, list[str] | None]]
     """``sources``: task → (train sources, validation sources). Raises ``DataError`` naming each pair
     (validation task, training task) that shares samples, with their count and a few examples."""
     cache: dict[str, str] = {}
+    size_of = {s: _size(s) for t, v in sources.values() for s in (*(t or ()), *(v or ()))}  # one stat each
     sizes = {
-        n: ({_size(s) for s in t} if t else set(), {_size(s) for s in v} if v else set())
-        for n, (t, v) in sources.items()
+        n: ({size_of[s] for s in t or ()}, {size_of[s] for s in v or ()}) for n, (t, v) in sources.items()
     }
     problems = []
     for val_task, (_, val) in sources.items():
@@ -79,7 +81,8 @@ def check_no_leaks(sources: dict[str, tuple[list[str] | None, list[str] | None]]
             both = sizes[val_task][1] & sizes[train_task][0] - {None}
             if not both:
                 continue
-            held_out, seen = _fingerprints(val, cache, both), _fingerprints(train, cache, both)
+            held_out = _fingerprints(val, cache, size_of, both)
+            seen = _fingerprints(train, cache, size_of, both)
             shared = [held_out[d] for d in held_out.keys() & seen.keys()]
             if shared:
                 examples = ", ".join(

@@ -14,11 +14,9 @@ from lightning.pytorch.callbacks import WeightAveraging
 log = logging.getLogger("mmformer")
 
 
-def _task_samples(task_batch: dict) -> tuple[int, int]:
-    """(samples, real text tokens) of one task's batch."""
-    first = next(v for v in task_batch.values() if isinstance(v, torch.Tensor))
-    tokens = int(task_batch["text_valid"].sum()) if "text_valid" in task_batch else 0
-    return first.shape[0], tokens
+def _text_tokens(task_batch: dict) -> int:
+    """Real text tokens of one task's batch (0 without text)."""
+    return int(task_batch["text_valid"].sum()) if "text_valid" in task_batch else 0
 
 
 class _Rate:
@@ -93,7 +91,7 @@ class ThroughputLogger(L.Callback):
         for name, task_batch in (batch or {}).items():
             if task_batch is None:
                 continue
-            samples, tokens = _task_samples(task_batch)
+            samples, tokens = pl_module.tasks[name].batch_size(task_batch), _text_tokens(task_batch)
             keys = [""]
             if self.several:
                 keys += [f"{name}/", f"modality/{self.modalities.get(name, '?')}/"]

@@ -55,6 +55,20 @@ def _seq_logprob(model, names, wave, valid, seq: list[int]) -> float:
     return float(sum(logp[i, t] for i, t in enumerate(seq)))
 
 
+@torch.no_grad()
+def _greedy_by_recomputation(names, model, wave, valid, steps: int) -> list[int]:
+    """Greedy decoding of one item by a full teacher-forced forward per step (no cache)."""
+    seq = [BOS]
+    for _ in range(steps):
+        ids = torch.tensor([seq])
+        logits = names.logits(model, wave, ids, torch.ones_like(ids, dtype=torch.bool), prefix_valid=valid)
+        nxt = int(logits[0, -1].argmax())
+        if nxt == EOS:
+            break
+        seq.append(nxt)
+    return seq[1:]
+
+
 def test_prefix_is_bidirectional_and_text_causal():
     model = _model()
     wave, valid = _waves([800])
@@ -90,21 +104,7 @@ def test_greedy_with_the_cache_equals_argmax_of_full_forwards(positions):
     wave, valid = _waves([640, 800, 400])
     out = NAMES.generate(model, wave, BOS, EOS, max_new_tokens=6, prefix_valid=valid)
     for b in range(3):
-        seq = [BOS]
-        for _ in range(6):  # recompute every step from scratch
-            ids = torch.tensor([seq])
-            logits = NAMES.logits(
-                model,
-                wave[b : b + 1],
-                ids,
-                torch.ones_like(ids, dtype=torch.bool),
-                prefix_valid=valid[b : b + 1],
-            )
-            nxt = int(logits[0, -1].argmax())
-            if nxt == EOS:
-                break
-            seq.append(nxt)
-        assert out[b] == seq[1:]
+        assert out[b] == _greedy_by_recomputation(NAMES, model, wave[b : b + 1], valid[b : b + 1], 6)
 
 
 def test_beam_search_finds_the_most_likely_text_exhaustively():
@@ -248,16 +248,7 @@ def test_bridged_decoding_equals_recomputation_and_batches_like_one_at_a_time():
         n = int(valid[b].sum())
         w, v = wave[b : b + 1, :n], valid[b : b + 1, :n]
         assert names.generate(model, w, BOS, EOS, 4, prefix_valid=v)[0] == out[b]
-        seq = [BOS]  # greedy by full teacher-forced recomputation, no cache
-        for _ in range(4):
-            ids = torch.tensor([seq])
-            with torch.no_grad():
-                logits = names.logits(model, w, ids, torch.ones_like(ids, dtype=torch.bool), prefix_valid=v)
-            nxt = int(logits[0, -1].argmax())
-            if nxt == EOS:
-                break
-            seq.append(nxt)
-        assert out[b] == seq[1:]
+        assert out[b] == _greedy_by_recomputation(names, model, w, v, 4)
 
 
 def test_bridge_trains_only_the_projector_when_encoder_and_llm_are_frozen():
