@@ -102,6 +102,7 @@ from .training.callbacks import (
 )
 from .training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
 from .training.freeze import FreezePretrained
+from .training.fsdp2 import FSDP2Strategy
 from .training.loggers import build_loggers
 from .training.runs import Run, RunFolder
 
@@ -872,6 +873,16 @@ def _pretrained_parts(recipe: RecipeConfig):
     return parts
 
 
+def build_strategy(t, unused: bool = False):
+    """``trainer.strategy`` as Lightning takes it: ``fsdp2`` → ``FSDP2Strategy``; ``ddp`` told about
+    parameters that some steps leave without gradient (``unused``); other names unchanged."""
+    if t.strategy == "fsdp2":
+        return FSDP2Strategy()
+    if unused and t.strategy == "ddp":
+        return "ddp_find_unused_parameters_true"
+    return t.strategy
+
+
 def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra_callbacks=()) -> L.Trainer:
     monitor, mode = default_monitor(recipe, module)
     ck = recipe.checkpoint
@@ -902,9 +913,8 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
     # frozen parameters, or the parts of the tasks a sampled step does not train, get no gradient:
     # DDP must be told (find_unused_parameters), or it waits for them forever
     unused = bool(freeze) or (recipe.multitask.schedule == "sampled" and len(recipe.tasks) > 1)
-    strategy = t.strategy
-    if unused and strategy == "ddp":
-        strategy = "ddp_find_unused_parameters_true"
+    strategy = build_strategy(t, unused)
+    module.compile_blocks, module.checkpoint_blocks = t.compile, t.activation_checkpointing
     trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,

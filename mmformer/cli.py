@@ -188,7 +188,7 @@ def cmd_validate(args) -> int:
     import lightning as L
     import torch
 
-    from .build import build_datamodule, build_module, pin_checkpoint
+    from .build import build_datamodule, build_module, build_strategy, pin_checkpoint
     from .config import RecipeError, recipe_from_yaml
 
     if not args.checkpoint.is_file():
@@ -208,7 +208,7 @@ def cmd_validate(args) -> int:
     trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
-        strategy=t.strategy,
+        strategy=build_strategy(t),
         precision=t.precision,
         logger=False,
         enable_checkpointing=False,

@@ -740,7 +740,7 @@ class TrainerConfig:
 
     accelerator: str = "auto"
     devices: Any = "auto"  # int | "auto" | list of ids
-    strategy: str = "auto"
+    strategy: str = "auto"  # auto | ddp | fsdp2 (any device, CPU too) | fsdp (GPU) | any Lightning name
     num_nodes: int = 1
     precision: str = "32-true"
     max_epochs: Optional[int] = None
@@ -758,6 +758,8 @@ class TrainerConfig:
     validate_first: bool = False  # validate once before training (a fine-tune's "before" numbers)
     deterministic: Optional[bool] = None
     enable_progress_bar: bool = True
+    compile: bool = False  # torch.compile every transformer block (models.parallelize; keys stay clean)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
 
 @dataclass
@@ -1081,6 +1083,17 @@ def _check_references(recipe: RecipeConfig) -> None:
             f"'multitask.same_task_on_all_ranks: false' would hang: task {gathering[0]!r} gathers features "
             "from every rank inside its step, so all ranks must run it at the same step (set it to true)"
         )
+    if recipe.trainer.strategy == "fsdp2":
+        if mt.schedule == "sampled" and not mt.same_task_on_all_ranks and len(recipe.tasks) > 1:
+            raise RecipeError(
+                "'multitask.same_task_on_all_ranks: false' would hang under trainer.strategy: fsdp2: every "
+                "rank gathers each block's weights together, so all ranks must run the same task"
+            )
+        if recipe.optim.ema_decay is not None or recipe.optim.freeze_pretrained_epochs:
+            raise RecipeError(
+                "optim.ema_decay and optim.freeze_pretrained_epochs work with DDP or one device, not "
+                "trainer.strategy: fsdp2"
+            )
 
     for name in recipe.model.towers:
         if name not in recipe.model.tokenizers:

@@ -5,10 +5,13 @@ Training loaders shard and shuffle with torch's ``DistributedSampler`` (seeded; 
 ``set_epoch`` each epoch, so the order is reproducible and resumable at epoch boundaries); evaluation
 loaders shard without padding (``EvalShardSampler``) so synchronised metrics count each sample once.
 With ``multitask.schedule: sampled`` a training step holds one task's batch (``SampledTasks``).
+Training steps come in gradient-accumulation windows whose totals are known up front
+(``AccumulationWindows``), so losses are weighted by their tokens over the whole window.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +22,22 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from .roots import DataError
 from .samplers import EvalShardSampler
 from .task_schedule import SampledTasks
+from .windows import AccumulationWindows
+
+
+class EveryTask:
+    """``{task: batch}`` steps holding a batch of every task; shorter tasks cycle until the longest is
+    done (Lightning's ``max_size_cycle``)."""
+
+    def __init__(self, loaders: dict[str, DataLoader]):
+        self.loaders = loaders
+
+    def __len__(self) -> int:
+        return max(len(dl) for dl in self.loaders.values())
+
+    def __iter__(self):
+        for batch, _, _ in iter(CombinedLoader(self.loaders, "max_size_cycle")):
+            yield batch
 
 
 @dataclass
@@ -42,6 +61,10 @@ class MultiTaskDataModule(L.LightningDataModule):
         ``setup``, in every process).
     seed: shuffling seed shared by all ranks.
     multitask: the recipe's ``MultiTaskConfig`` (None: every step holds a batch of every task).
+
+    The training steps come in windows of the trainer's ``accumulate_grad_batches``; the number of loss
+    units (tokens, samples) of a task's batch is the LightningModule's ``loss_units(task, batch)`` (1 per
+    batch without one: micro-batches weighted equally).
     """
 
     def __init__(self, factories: dict[str, Callable[[], TaskData]], seed: int = 0, multitask=None):
@@ -80,12 +103,32 @@ class MultiTaskDataModule(L.LightningDataModule):
             persistent_workers=d.num_workers > 0,
         )
 
-    def train_dataloader(self) -> CombinedLoader | SampledTasks:
+    def train_dataloader(self) -> AccumulationWindows:
         self.setup()
         loaders = {n: self._loader(d, d.train, True) for n, d in self.data.items()}
+        trainer = self.trainer
+        count = getattr(trainer.lightning_module, "loss_units", None) if trainer is not None else None
+        units = {n: functools.partial(count, n) if count else (lambda batch: 1) for n in loaders}
+        accumulate, limit = 1, None
+        if trainer is not None:
+            accumulate, limit = trainer.accumulate_grad_batches, trainer.limit_train_batches
+        steps = self._train_steps(loaders)
+        if isinstance(limit, float):
+            limit = int(len(steps) * limit) if limit < 1.0 else None
+
+        def set_epoch() -> None:  # Lightning sees only this wrapper, so the samplers are set here
+            epoch = trainer.current_epoch if trainer is not None else 0
+            for dl in loaders.values():
+                if hasattr(dl.sampler, "set_epoch"):
+                    dl.sampler.set_epoch(epoch)
+
+        on_epoch = set_epoch if isinstance(steps, EveryTask) else None  # SampledTasks sets its own
+        return AccumulationWindows(steps, accumulate, units, limit, on_epoch)
+
+    def _train_steps(self, loaders: dict[str, DataLoader]) -> EveryTask | SampledTasks:
         mt = self.multitask
         if mt is None or mt.schedule == "all":
-            return CombinedLoader(loaders, "max_size_cycle")
+            return EveryTask(loaders)
         return SampledTasks(
             loaders,
             weights=dict(mt.sample_weights) or None,

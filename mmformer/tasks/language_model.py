@@ -48,6 +48,10 @@ class CausalLMTask(nn.Module):
     def batch_size(self, batch: dict) -> int:
         return batch["text"].shape[0]
 
+    def loss_units(self, batch: dict) -> int:
+        """Target tokens in ``batch`` (what the training loss averages over)."""
+        return int((next_token_targets(batch) != IGNORE).sum())
+
     def logits(self, model: MultimodalModel, batch: dict) -> Tensor:
         return model(
             batch["text"],

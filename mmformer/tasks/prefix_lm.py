@@ -85,6 +85,10 @@ class PrefixLMTask(nn.Module):
     def batch_size(self, batch: dict) -> int:
         return batch["caption"].shape[0]
 
+    def loss_units(self, batch: dict) -> int:
+        """Caption target tokens in ``batch`` (what the training loss averages over)."""
+        return int((caption_targets(batch["caption"], batch["caption_valid"]) != IGNORE).sum())
+
     def _losses(self, model: MultimodalModel, batch: dict) -> tuple[Tensor, Tensor]:
         logits = self.prefix_lm.logits(
             model,

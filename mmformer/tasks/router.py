@@ -20,9 +20,11 @@ import random
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.utilities import grad_norm, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from ..data.windows import WINDOW
+from ..models import parallelize
 from ..models.model import MultimodalModel
 from ..training.optim import build_optimizer, build_scheduler
 
@@ -59,10 +61,21 @@ def all_finite(params: list[torch.Tensor], reduce=None) -> bool:
     decide together even when their gradients differ (sharded, or not yet averaged)."""
     bad = torch.zeros((), device=params[0].device if params else "cpu")
     for p in params:
-        bad = bad + (~torch.isfinite(p.grad)).any().to(bad.dtype)
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # an FSDP2 shard
+        bad = bad + (~torch.isfinite(grad)).any().to(bad.dtype)
     if reduce is not None:
         bad = reduce(bad, reduce_op="sum")
     return bool(bad == 0)
+
+
+def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all ``param.grad`` together (before clipping); FSDP2 shards are reduced over
+    ranks, so every rank logs the full model's norm."""
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _shapes(batch: dict) -> str:
@@ -100,44 +113,132 @@ class MultiTaskModule(L.LightningModule):
         self.model = model
         self.tasks = nn.ModuleDict(tasks)
         self.weights, self.optim_cfg, self.recipe_yaml, self.seed = dict(weights), optim, recipe_yaml, seed
+        self._window_loss: dict[str, list] = {}  # task → [Σ loss·units, units, micro-batches] this window
+        self._window_steps = 0  # micro-batches of this rank's window so far
+        self._window_totals: list[list[float]] = []  # per task: micro-batches, units, over all ranks
+
+    # set by the builder from trainer.compile / trainer.activation_checkpointing
+    compile_blocks: bool = False
+    checkpoint_blocks: bool = False
+    _configured = False
+
+    def configure_model(self) -> None:
+        """Activation checkpointing, ``torch.compile`` and FSDP2 sharding, per block, in that order
+        (``models.parallelize``; keys stay clean). Under ``trainer.strategy: fsdp2`` the whole module is
+        the root unit, so the tasks' own parameters (a contrastive temperature) are sharded and
+        averaged too. Runs once, whatever the number of ``fit`` / ``validate`` calls."""
+        if self._configured:
+            return
+        self._configured = True
+        if self.checkpoint_blocks:
+            parallelize.checkpoint_blocks(self.model)
+        if self.compile_blocks:
+            parallelize.compile_blocks(self.model)
+        mesh = self.device_mesh
+        if mesh is not None:
+            parallelize.shard_model(self.model, mesh["data_parallel"], root=self)
 
     def setup(self, stage: str) -> None:
         if stage == "fit":  # after the model's (identical) initialisation, before any checkpoint restore
             _seed_all(self.seed + 1_000_003 * self.global_rank)
 
     # ------------------------------------------------------------------ steps
+    def forward(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, run as this module's forward. Every step goes through here, so under
+        FSDP2 (this module is the root unit) the parameters outside the blocks — tokenizers, heads, the
+        tasks' own — are gathered around the step and their gradients reduced after backward, whatever
+        the task calls (``model.encode``, a tokenizer, a head). Elsewhere a plain call."""
+        return fn(*args, **kwargs)
+
     def training_step(self, batch: dict[str, dict], batch_idx: int) -> torch.Tensor:
-        total = 0.0
-        by_modality: dict[str, list[torch.Tensor]] = {}
+        window = batch.pop(WINDOW, None)  # this step's accumulation-window totals (data.windows)
+        scale = self._window_scale(window)
         self.last_tasks = [n for n, b in batch.items() if b is not None]
+        losses = self(self._training_losses, batch)
+        total = 0.0
+        for name, loss in losses.items():
+            units = window["units"][name] if window is not None else self.loss_units(name, batch[name])
+            total = total + self.weights[name] * loss * scale(name, units)
+            acc = self._window_loss.setdefault(name, [0.0, 0, 0])  # Σ loss·units, units, micro-batches
+            acc[0], acc[1], acc[2] = acc[0] + loss.detach() * units, acc[1] + units, acc[2] + 1
+        self._window_steps += 1
+        if window is None or window["index"] == window["size"] - 1:
+            self._log_window_losses()
+        return total
+
+    def _training_losses(self, batch: dict[str, dict]) -> dict[str, torch.Tensor]:
+        losses = {}
         for name, task_batch in batch.items():
             if task_batch is None:
                 continue
-            task = self.tasks[name]
             try:
-                loss = task.training_loss(self.model, task_batch)
+                losses[name] = self.tasks[name].training_loss(self.model, task_batch)
             except torch.OutOfMemoryError as e:
                 raise torch.OutOfMemoryError(
                     f"out of memory in task {name!r}'s training step, batch {_shapes(task_batch)}: lower "
                     f"tasks.{name}.data.batch_size (and raise trainer.accumulate_grad_batches to keep the "
                     "global batch), use trainer.precision=bf16-mixed, or shorten the sequences"
                 ) from e
-            total = total + self.weights[name] * loss
-            self.log(f"train/{name}/loss", loss, batch_size=task.batch_size(task_batch))
-            by_modality.setdefault(self.task_modalities.get(name, "?"), []).append(loss.detach())
+        return losses
+
+    # ------------------------------------------------------------------ accumulation windows
+    def loss_units(self, task: str, batch: dict) -> int:
+        """How many terms task ``task``'s training loss averages in ``batch``: the task's
+        ``loss_units(batch)`` (target tokens of a language model), else its ``batch_size(batch)``."""
+        t = self.tasks[task]
+        fn = getattr(t, "loss_units", None)
+        return int(fn(batch)) if fn is not None else int(t.batch_size(batch))
+
+    def _window_scale(self, window: dict | None):
+        """``scale(task, units)`` for the loss of a micro-batch holding ``units`` of ``task``, so that the
+        accumulated update (Lightning divides every micro-batch by ``K = accumulate_grad_batches``, DDP
+        and FSDP average over ranks) is the gradient of ``Σ_task weight · (k / j) · Σ loss·units / N``:
+        ``N`` the task's units and ``k`` its micro-batches in the window over all ranks (k per rank on
+        average), ``j`` the window's micro-batches — the token-weighted mean of the whole window, and with
+        ``(k / j)`` the share of the window a sampled task trained. ``scale = K · k · units / (j · N)``:
+        1 when every micro-batch holds the same number of units."""
+        if window is None:  # steps from elsewhere (a user's own loader): plain means
+            return lambda name, units: 1.0
+        names = list(self.tasks)
+        if window["index"] == 0:
+            self._window_loss, self._window_steps = {}, 0
+            t = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
+            for name, (k, n) in window["tasks"].items():
+                t[names.index(name)] = torch.tensor([k, n], dtype=torch.float64)
+            if self.trainer.world_size > 1:  # one small all-reduce per window
+                t = self.trainer.strategy.reduce(t, reduce_op="sum")
+            self._window_totals = t.tolist()  # one host synchronisation per window
+        totals, K, j = self._window_totals, self.trainer.accumulate_grad_batches, window["size"]
+
+        def scale(name: str, units: int) -> float:
+            k, n = totals[names.index(name)]
+            return K * k * units / (j * max(n, 1.0))
+
+        return scale
+
+    def _log_window_losses(self) -> None:
+        """``train/<task>/loss``: this rank's token-weighted mean over the window (the same whatever the
+        accumulation splits it into); ``train/loss`` their weighted sum as trained; per modality the mean of
+        its tasks' losses."""
+        total, by_modality = 0.0, {}
+        for name, (summed, units, k) in self._window_loss.items():
+            loss = summed / max(units, 1)
+            total = total + self.weights[name] * loss * k / self._window_steps
+            self.log(f"train/{name}/loss", loss)
+            by_modality.setdefault(self.task_modalities.get(name, "?"), []).append(loss)
         if len(self.tasks) > 1:
             for modality, losses in by_modality.items():
                 self.log(f"train/modality/{modality}/loss", torch.stack(losses).mean())
         self.log("train/loss", total, prog_bar=True)
         self.log("lr", max(g["lr"] for g in self.optimizers().param_groups), prog_bar=True)
-        return total
+        self._window_loss, self._window_steps = {}, 0
 
     def validation_step(self, batch: dict[str, dict], batch_idx: int) -> None:
         for name, task_batch in batch.items():
             if task_batch is None:
                 continue
             task = self.tasks[name]
-            task.validation_update(self.model, task_batch)
+            self(task.validation_update, self.model, task_batch)
             for metric_name, metric in task.val_metrics.items():
                 self.log(
                     f"val/{name}/{metric_name}",
@@ -154,7 +255,7 @@ class MultiTaskModule(L.LightningModule):
         for task in self.tasks.values():
             hook = getattr(task, "on_validation_epoch_start", None)
             if hook is not None:  # (model) or, in users' tasks written before it took one, ()
-                hook(self.model) if inspect.signature(hook).parameters else hook()
+                self(hook, self.model) if inspect.signature(hook).parameters else hook()
 
     def on_train_epoch_start(self) -> None:
         # A tower or tokenizer frozen whole (a locked pretrained text encoder) runs in eval mode: its
@@ -184,15 +285,16 @@ class MultiTaskModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         # After backward (and DDP's gradient all-reduce), before clipping and the update.
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        checked = params
         if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
-            params = []  # 16-mixed: GradScaler skips overflowing steps itself and lowers the scale
+            checked = []  # 16-mixed: GradScaler skips overflowing steps itself and lowers the scale
         reduce = self.trainer.strategy.reduce if self.trainer.world_size > 1 else None
-        if not all_finite(params, reduce):
+        if not all_finite(checked, reduce):
             self._skip_update(params)
             return
         self.nonfinite_in_a_row = 0
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
-            self.log("train/grad_norm", grad_norm(self.model, norm_type=2)["grad_2.0_norm_total"])
+            self.log("train/grad_norm", total_grad_norm(params))
 
     # ------------------------------------------------------------------ non-finite steps
     nonfinite_steps = 0  # updates skipped so far (this process's run)

@@ -19,6 +19,12 @@ def _text_tokens(task_batch: dict) -> int:
     return int(task_batch["text_valid"].sum()) if "text_valid" in task_batch else 0
 
 
+def sharded(pl_module) -> bool:
+    """True under FSDP2: the weights live in shards on every rank, so rank 0 cannot run the model alone
+    (media samples are not written there yet)."""
+    return getattr(pl_module, "device_mesh", None) is not None
+
+
 class _Rate:
     """Cumulative time / samples / real text tokens of one group of steps, with Lightning's sliding-window
     ``Throughput`` over them: one meter for samples, one for tokens that advances only on steps that
@@ -164,7 +170,7 @@ class TextSamples(L.Callback):
         self.last: dict[str, list[tuple[str, str]]] = {}
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        if trainer.sanity_checking or not trainer.is_global_zero or sharded(pl_module):
             return
         from lightning.pytorch.loggers import WandbLogger
 
@@ -218,7 +224,7 @@ class DecodedSamples(L.Callback):
         self.last: dict[str, list[tuple[str, str]]] = {}
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        if trainer.sanity_checking or not trainer.is_global_zero or sharded(pl_module):
             return
         from lightning.pytorch.loggers import WandbLogger
 
@@ -247,7 +253,7 @@ class AudioSamples(L.Callback):
         self.last: dict[str, list[tuple[str, str, str, float]]] = {}
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        if trainer.sanity_checking or not trainer.is_global_zero or sharded(pl_module):
             return
         import torch
         from lightning.pytorch.loggers import WandbLogger
@@ -341,7 +347,7 @@ class DiffusionSamples(L.Callback):
         self.last: dict[str, str] = {}  # task → PNG path
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        if trainer.sanity_checking or not trainer.is_global_zero or sharded(pl_module):
             return
         from pathlib import Path
 
