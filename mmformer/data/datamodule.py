@@ -1,8 +1,9 @@
 """One LightningDataModule for every recipe: each task contributes a ``TaskData`` (train / val
 datasets and loader settings) and every step receives ``{task_name: batch}`` (DESIGN.md).
 
-Training loaders shard and shuffle with torch's ``DistributedSampler`` (seeded; Lightning calls
-``set_epoch`` each epoch, so the order is reproducible and resumable at epoch boundaries); evaluation
+Training loaders shard and shuffle with torch's ``DistributedSampler`` (seeded by ``(seed, epoch)``, so
+the order is reproducible; ``ResumableShardSampler`` lets a run resumed mid-epoch start where its
+checkpoint was taken, read from the stateful ``AccumulationWindows``); evaluation
 loaders shard without padding (``EvalShardSampler``) so synchronised metrics count each sample once.
 With ``multitask.schedule: sampled`` a training step holds one task's batch (``SampledTasks``).
 Training steps come in gradient-accumulation windows whose totals are known up front
@@ -17,17 +18,18 @@ from dataclasses import dataclass
 
 import lightning as L
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from .roots import DataError
-from .samplers import EvalShardSampler
+from .samplers import EvalShardSampler, ResumableShardSampler, start_part_way
 from .task_schedule import SampledTasks
 from .windows import AccumulationWindows
 
 
 class EveryTask:
-    """``{task: batch}`` steps holding a batch of every task; shorter tasks cycle until the longest is
-    done (Lightning's ``max_size_cycle``)."""
+    """``{task: batch}`` steps holding a batch of every task; shorter tasks cycle (same order) until the
+    longest is done (Lightning's ``max_size_cycle``). ``iter_from(step)`` starts at a given step of the
+    epoch, reading only the samples from there on."""
 
     def __init__(self, loaders: dict[str, DataLoader]):
         self.loaders = loaders
@@ -36,7 +38,19 @@ class EveryTask:
         return max(len(dl) for dl in self.loaders.values())
 
     def __iter__(self):
-        for batch, _, _ in iter(CombinedLoader(self.loaders, "max_size_cycle")):
+        return self.iter_from(0)
+
+    def iter_from(self, start: int):
+        iterators: dict[str, object] = {}
+        for step in range(start, len(self)):
+            batch = {}
+            for name, dl in self.loaders.items():
+                at = step % len(dl)
+                if name not in iterators:
+                    iterators[name] = start_part_way(dl, at)
+                elif at == 0:  # a shorter task starts its next cycle
+                    iterators[name] = iter(dl)
+                batch[name] = next(iterators[name])
             yield batch
 
 
@@ -83,7 +97,7 @@ class MultiTaskDataModule(L.LightningDataModule):
     def _loader(self, d: TaskData, dataset: Dataset, train: bool) -> DataLoader:
         world, rank = self._world()
         if train:
-            sampler = DistributedSampler(
+            sampler = ResumableShardSampler(
                 dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.seed, drop_last=d.drop_last
             )
         else:
@@ -100,7 +114,9 @@ class MultiTaskDataModule(L.LightningDataModule):
             num_workers=d.num_workers,
             collate_fn=d.collate,
             drop_last=d.drop_last and train,
-            persistent_workers=d.num_workers > 0,
+            # training workers start afresh each epoch, seeded from (seed, rank, epoch) by the sampler
+            persistent_workers=d.num_workers > 0 and not train,
+            generator=sampler.generator if train else None,
         )
 
     def train_dataloader(self) -> AccumulationWindows:
@@ -122,8 +138,13 @@ class MultiTaskDataModule(L.LightningDataModule):
                 if hasattr(dl.sampler, "set_epoch"):
                     dl.sampler.set_epoch(epoch)
 
+        def progress() -> tuple[int, int]:  # the trainer's epoch and the steps of it already trained
+            if trainer is None:
+                return 0, 0
+            return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
         on_epoch = set_epoch if isinstance(steps, EveryTask) else None  # SampledTasks sets its own
-        return AccumulationWindows(steps, accumulate, units, limit, on_epoch)
+        return AccumulationWindows(steps, accumulate, units, limit, on_epoch, progress)
 
     def _train_steps(self, loaders: dict[str, DataLoader]) -> EveryTask | SampledTasks:
         mt = self.multitask

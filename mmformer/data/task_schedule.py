@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from torch.utils.data import DataLoader
 
+from .samplers import start_part_way
+
 
 class SampledTasks:
     """An iterable over ``{task: batch}`` steps, one task per step.
@@ -65,12 +67,21 @@ class SampledTasks:
         return [self.names[i] for i in draws]
 
     def __iter__(self) -> Iterator[dict]:
+        return self.iter_from(0)
+
+    def iter_from(self, start: int) -> Iterator[dict]:
+        """The steps of the current epoch from step ``start`` on: each task resumes the pass and the
+        batch the first ``start`` steps had reached (nothing before is read)."""
         epoch = self.epoch()
+        schedule = self.schedule(epoch)
+        done = dict.fromkeys(self.names, 0)  # batches each task trained before ``start``
+        for name in schedule[:start]:
+            done[name] += 1
         iterators: dict[str, Iterator] = {}
-        passes = dict.fromkeys(self.names, 0)
-        for name in self.schedule(epoch):
+        passes = {n: done[n] // max(1, len(self.loaders[n])) for n in self.names}
+        for name in schedule[start:]:
             if name not in iterators:
-                iterators[name] = self._start(name, epoch, passes[name])
+                iterators[name] = self._start(name, epoch, passes[name], done[name] % len(self.loaders[name]))
             try:
                 batch = next(iterators[name])
             except StopIteration:  # this task's data is used up: a new pass, freshly shuffled
@@ -79,11 +90,11 @@ class SampledTasks:
                 batch = next(iterators[name])
             yield {name: batch}
 
-    def _start(self, name: str, epoch: int, n_pass: int) -> Iterator:
+    def _start(self, name: str, epoch: int, n_pass: int, at: int = 0) -> Iterator:
         loader = self.loaders[name]
         if len(loader) == 0:
             raise ValueError(f"task {name!r} has no training batches (fewer samples than one batch?)")
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch * 1000 + n_pass)
-        return iter(loader)
+        return start_part_way(loader, at) if at else iter(loader)

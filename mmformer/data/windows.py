@@ -32,6 +32,11 @@ class AccumulationWindows:
         limit: steps of this epoch the trainer takes (``limit_train_batches``), so the last window is
             cut where the trainer cuts it; None: all.
         on_epoch: called with no argument at the start of every pass (e.g. to ``set_epoch`` samplers).
+        progress: returns ``(epoch, steps of it trained)`` — the trainer's count, not this reader's,
+            which runs a window ahead. ``state_dict()`` saves it with every checkpoint (Lightning's
+            stateful-loader protocol); after ``load_state_dict``, the pass of that same epoch starts at
+            that step (``steps.iter_from``), reading only the samples the epoch had not reached.
+            Windows stay aligned to multiples of ``size`` from the start of the epoch, as the trainer's are.
     """
 
     def __init__(
@@ -41,10 +46,24 @@ class AccumulationWindows:
         units: dict[str, Callable[[dict], int]],
         limit: int | None = None,
         on_epoch: Callable[[], None] | None = None,
+        progress: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ):
         if size < 1:
             raise ValueError(f"accumulation window size must be >= 1, got {size}")
         self.steps, self.size, self.units, self.limit, self.on_epoch = steps, size, units, limit, on_epoch
+        self.progress = progress
+        self._resume: dict | None = None
+
+    def state_dict(self) -> dict:
+        epoch, done = self.progress()
+        return {"epoch": epoch, "steps": done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = dict(state)
+
+    def _start(self) -> int:
+        resume, self._resume = self._resume, None
+        return int(resume["steps"]) if resume and resume["epoch"] == self.progress()[0] else 0
 
     def __len__(self) -> int:
         n = len(self.steps)
@@ -53,12 +72,15 @@ class AccumulationWindows:
     def __iter__(self) -> Iterator[dict]:
         if self.on_epoch is not None:
             self.on_epoch()
-        it, left = iter(self.steps), len(self)
-        while left > 0:
-            window = list(itertools.islice(it, min(self.size, left)))
+        begin = self._start()
+        it = self.steps.iter_from(begin) if begin else iter(self.steps)
+        at, end = begin, len(self)
+        while at < end:
+            size = min(self.size - at % self.size, end - at)  # up to the next multiple of ``size``
+            window = list(itertools.islice(it, size))
             if not window:
                 return
-            left -= len(window)
+            at += len(window)
             totals: dict[str, list[int]] = {}
             units = []
             for step in window:

@@ -266,6 +266,13 @@ class MultiTaskModule(L.LightningModule):
             if params:
                 part.train(any(p.requires_grad for p in params))
 
+    def on_train_start(self) -> None:
+        # Lightning 2.6 restores a stateful training loader (``data.windows``: the epoch and the steps of
+        # it done) only when it builds the loader after the checkpoint's loop state is restored; ours is
+        # built earlier, to count the steps for the LR schedule (``estimated_stepping_batches``), so the
+        # saved state is handed over here, before the epoch's first batch is fetched.
+        self.trainer.fit_loop._load_combined_loader_states()
+
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         for task in self.tasks.values():  # e.g. clip a learned temperature after the update
             hook = getattr(task, "after_optimizer_step", None)

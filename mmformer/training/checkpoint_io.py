@@ -66,6 +66,8 @@ class LastCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         # SIGTERM (preemption, scancel, docker stop) may reach one rank, or reach ranks a step apart:
         # agree first (one all-reduce), then every rank saves at this same step and stops after it.
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return  # mid accumulation window: finish it first, or its gradients would be lost
         stop = trainer.received_sigterm
         if trainer.world_size > 1:
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
