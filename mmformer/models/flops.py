@@ -1,17 +1,102 @@
-"""FLOPs per sample, counted by ``torch.utils.flop_counter`` on the eager attention path.
+"""FLOPs: counted analytically as the model runs (``FlopMeter``, for throughput and MFU), and measured by
+``torch.utils.flop_counter`` on the eager attention path (``count_flops``, the cross-check).
 
-``FlopCounterMode`` does not count ``scaled_dot_product_attention`` on CPU, so the count switches the
-backbone to the eager kernel (plain matmuls) for the measurement and restores it afterwards.
+``FlopCounterMode`` does not count ``scaled_dot_product_attention`` on CPU, so ``count_flops`` switches
+the backbone to the eager kernel (plain matmuls) for the measurement and restores it afterwards.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..nn.attention import Attention
+from .backbone import Backbone
 from .model import MultimodalModel
+
+
+def _linear_flops(m: nn.Linear, rows: int) -> int:
+    return 2 * rows * m.in_features * m.out_features
+
+
+class FlopMeter:
+    """Forward FLOPs of a model, added up from the shapes of what it runs (1 FLOP = 1 multiply or add;
+    matmuls and convolutions only, as ``FlopCounterMode`` counts; elementwise ops, norms, softmax and
+    FFTs are not counted). Hooks only, outside the blocks, so it works with compiled blocks:
+
+    - each ``Backbone`` call of ``B`` sequences of ``N`` tokens: every block's linear layers per token
+      (the adaLN modulation per sequence; cross-attention keys/values per context token) plus attention
+      ``4 · B · H · N · N_k · head_dim`` (scores and the weighted sum, full ``N × N_k`` as the kernels
+      compute it, causal or not; ``N_k = N`` plus cached tokens);
+    - every other ``nn.Linear`` and convolution (tokenizers, heads, towers' outside) from its input shape.
+
+    A training step costs ``3 ×`` the forward (backward = 2 × forward for matmuls; Kaplan et al. 2020,
+    §2.1). ``take()`` returns the FLOPs counted since the last call. ``close()`` removes the hooks.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.flops = 0
+        self._hooks = []
+        inside = set()
+        for bb in (m for m in model.modules() if isinstance(m, Backbone)):
+            self._hooks.append(bb.register_forward_pre_hook(self._backbone, with_kwargs=True))
+            for block in bb.blocks:
+                inside.update(id(m) for m in block.modules())
+        for m in model.modules():
+            if id(m) not in inside and isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+                self._hooks.append(m.register_forward_hook(self._leaf))
+
+    def take(self) -> int:
+        flops, self.flops = self.flops, 0
+        return flops
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _leaf(self, module, inputs, output) -> None:
+        if isinstance(module, nn.Linear):
+            self.flops += _linear_flops(module, inputs[0].numel() // module.in_features)
+        else:  # convolution: 2 · outputs · (in_channels / groups) · kernel size
+            k = module.in_channels // module.groups
+            for size in module.kernel_size:
+                k *= size
+            self.flops += 2 * output.numel() * k
+
+    def _backbone(self, backbone: Backbone, args, kwargs) -> None:
+        tokens = args[0] if args else kwargs["tokens"]
+        B, N = tokens.x.shape[:2]
+        cache, context = kwargs.get("cache"), kwargs.get("context")
+        n_k = N + (cache.length if cache is not None and hasattr(cache, "length") else 0)
+        n_ctx = context.x.shape[1] if context is not None else 0
+        for block in backbone.blocks:
+            for name, m in block.named_modules():
+                if not isinstance(m, nn.Linear):
+                    continue
+                if "adaLN" in name:
+                    self.flops += _linear_flops(m, B)
+                elif name.endswith("kv") and "cross" in name:
+                    self.flops += _linear_flops(m, B * n_ctx)
+                else:
+                    self.flops += _linear_flops(m, B * N)
+            for name, m in block.named_modules():
+                if isinstance(m, Attention):
+                    keys = n_ctx if "cross" in name else n_k
+                    self.flops += 4 * B * m.n_heads * N * keys * m.head_dim
+
+
+def analytic_flops(model: MultimodalModel, inputs: Tensor, tokenizer: str, head: str) -> int:
+    """Forward FLOPs of ``model(inputs, tokenizer, head)`` by ``FlopMeter`` (the number ``count_flops``
+    measures on the eager path)."""
+    meter = FlopMeter(model)
+    try:
+        with torch.no_grad():
+            model(inputs, tokenizer, head)
+    finally:
+        meter.close()
+    return meter.take()
 
 
 def count_flops(model: MultimodalModel, inputs: Tensor, tokenizer: str, head: str) -> dict[str, int]:

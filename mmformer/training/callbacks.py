@@ -26,23 +26,26 @@ def sharded(pl_module) -> bool:
 
 
 class _Rate:
-    """Cumulative time / samples / real text tokens of one group of steps, with Lightning's sliding-window
-    ``Throughput`` over them: one meter for samples, one for tokens that advances only on steps that
-    carried text (its windows still span the steps without, so it is tokens per second of wall time)."""
+    """Cumulative time / samples / real text tokens / FLOPs of one group of steps, with Lightning's
+    sliding-window ``Throughput`` over them: one meter for samples (and FLOPs, and MFU when the device's
+    peak is known), one for tokens that advances only on steps that carried text (its windows still
+    span the steps without, so it is tokens per second of wall time)."""
 
-    def __init__(self, window: int, world_size: int):
-        self.samples_meter = Throughput(window_size=window, world_size=world_size)
+    def __init__(self, window: int, world_size: int, available_flops: float | None = None):
+        self.samples_meter = Throughput(available_flops, world_size=world_size, window_size=window)
         self.tokens_meter = Throughput(window_size=window, world_size=world_size)
         self.time, self.batches, self.samples, self.tokens, self.text_batches = 0.0, 0, 0, 0, 0
 
-    def update(self, seconds: float, samples: int, tokens: int) -> dict[str, float]:
-        """Returns per-device ``samples_per_sec`` and ``tokens_per_sec`` once the window has 2 points."""
+    def update(self, seconds: float, samples: int, tokens: int, flops: int | None = None) -> dict[str, float]:
+        """Per-device ``samples_per_sec``, ``tokens_per_sec``, ``flops_per_sec`` and ``mfu`` once the window
+        is full (samples: 2 points)."""
         self.time, self.batches, self.samples = self.time + seconds, self.batches + 1, self.samples + samples
-        self.samples_meter.update(time=self.time, batches=self.batches, samples=self.samples)
+        self.samples_meter.update(time=self.time, batches=self.batches, samples=self.samples, flops=flops)
         out = {}
-        rate = self.samples_meter.compute().get("device/samples_per_sec")
-        if rate is not None:
-            out["samples_per_sec"] = float(rate)
+        computed = self.samples_meter.compute()
+        for key in ("samples_per_sec", "flops_per_sec", "mfu"):
+            if f"device/{key}" in computed:
+                out[key] = float(computed[f"device/{key}"])
         if tokens:
             self.tokens, self.text_batches = self.tokens + tokens, self.text_batches + 1
             self.tokens_meter.update(time=self.time, batches=self.text_batches, samples=self.tokens)
@@ -53,12 +56,34 @@ class _Rate:
         return out
 
 
-class ThroughputLogger(L.Callback):
-    """Logs ``throughput/samples_per_sec`` (all ranks together) and ``throughput/device/samples_per_sec``,
-    and for text ``throughput/tokens_per_sec`` (real tokens, all ranks), over a sliding window of
-    training batches (by default as long as the logging interval, 2–20).
+_PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
-    With several tasks it also logs ``throughput/<task>/samples_per_sec`` (and ``tokens_per_sec``) and
+
+def peak_memory_gb(device: torch.device) -> float:
+    """The most memory this process has held: allocated on a CUDA device, resident (RSS) on the host."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+
+
+class ThroughputLogger(L.Callback):
+    """Logs, over a sliding window of training steps (by default as long as the logging interval, 2–20):
+
+    - ``throughput/samples_per_sec`` and ``tokens_per_sec`` (real text tokens) of all ranks together, and
+      ``throughput/device/samples_per_sec``;
+    - ``throughput/device/tflops`` — model FLOPs per second per device: 3 × the forward FLOPs counted
+      analytically as the step runs (``models.flops.FlopMeter``: matmuls and attention; activation
+      recomputation is not counted, as MFU's definition asks, Chowdhery et al. 2022, App. B);
+    - ``throughput/mfu`` — that over the device's peak for the run's precision (Lightning's table of
+      GPUs; not logged where the peak is unknown, e.g. on CPU);
+    - ``throughput/data_wait`` — the fraction of wall time between the end of a step and the start of the
+      next (fetching and moving the batch: the data pipeline's share when it is the bottleneck);
+    - ``memory/peak_gb`` — peak allocated GPU memory (peak resident memory on CPU).
+
+    With several tasks it also logs ``throughput/<task>/samples_per_sec`` (and ``tokens_per_sec``,
+    ``device/tflops`` and ``mfu`` for steps holding that task alone) and
     ``throughput/modality/<modality>/samples_per_sec``: the rate over the wall time of the steps that
     held that task (or modality), counted as if every rank ran it — under ``multitask.schedule: sampled``
     the speed of each task alone, under ``all`` the rate its data is consumed at.
@@ -68,16 +93,31 @@ class ThroughputLogger(L.Callback):
         self.window_size = window_size
 
     def on_train_start(self, trainer, pl_module) -> None:
+        from lightning.fabric.utilities.throughput import get_available_flops
+
+        from ..models.flops import FlopMeter
+
         self.window = self.window_size or min(20, max(2, trainer.log_every_n_steps))
         self.world = trainer.world_size
         self.rates: dict[str, _Rate] = {}
         self.t_prev = time.perf_counter()
+        self.waits: list[tuple[float, float]] = []  # (waiting, step) seconds of the last steps
         self.several = len(getattr(pl_module, "tasks", {})) > 1
         self.modalities = dict(getattr(pl_module, "task_modalities", {}))
+        self.meter = FlopMeter(pl_module.model) if hasattr(pl_module, "model") else None
+        dtype = _PRECISION_DTYPES.get(str(trainer.precision).split("-")[0], torch.float32)
+        self.available = None
+        if pl_module.device.type == "cuda":
+            self.available = get_available_flops(pl_module.device, dtype)
 
-    def _log(self, pl_module, prefix: str, rates: dict[str, float], prog_bar: bool = False) -> None:
+    def on_train_end(self, trainer, pl_module) -> None:
+        if getattr(self, "meter", None) is not None:
+            self.meter.close()
+
+    def _log(self, pl_module, key: str, rates: dict[str, float], prog_bar: bool) -> None:
+        prefix = key
         if "samples_per_sec" in rates:
-            if not prefix:
+            if key == "":
                 pl_module.log("throughput/device/samples_per_sec", rates["samples_per_sec"])
             pl_module.log(
                 f"throughput/{prefix}samples_per_sec",
@@ -86,27 +126,46 @@ class ThroughputLogger(L.Callback):
             )
         if "tokens_per_sec" in rates:
             pl_module.log(f"throughput/{prefix}tokens_per_sec", rates["tokens_per_sec"] * self.world)
+        if "flops_per_sec" in rates:
+            pl_module.log(
+                f"throughput/{prefix}device/tflops", rates["flops_per_sec"] / 1e12, prog_bar=prog_bar
+            )
+        if "mfu" in rates:
+            pl_module.log(f"throughput/{prefix}mfu", rates["mfu"], prog_bar=prog_bar)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self.t_prev = time.perf_counter()  # validation time is not training time
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.t_start = time.perf_counter()
+        if self.meter is not None:
+            self.meter.take()  # forwards outside training steps (validation, samples) are not counted
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
-        seconds, self.t_prev = now - self.t_prev, now
-        groups: dict[str, list[int]] = {"": [0, 0]}
-        for name, task_batch in (batch or {}).items():
-            if task_batch is None:
-                continue
+        seconds, self.t_prev, wait = now - self.t_prev, now, self.t_start - self.t_prev
+        self.waits = [*self.waits[-(self.window - 1) :], (max(wait, 0.0), seconds)]
+        flops = 3 * self.meter.take() if self.meter is not None else None
+        groups: dict[str, list] = {"": [0, 0, flops]}
+        present = [n for n, b in (batch or {}).items() if b is not None and n in pl_module.tasks]
+        for name in present:
+            task_batch = batch[name]
             samples, tokens = pl_module.tasks[name].batch_size(task_batch), _text_tokens(task_batch)
             keys = [""]
             if self.several:
                 keys += [f"{name}/", f"modality/{self.modalities.get(name, '?')}/"]
             for key in keys:
-                g = groups.setdefault(key, [0, 0])
+                g = groups.setdefault(key, [0, 0, flops if len(present) == 1 else None])
                 g[0], g[1] = g[0] + samples, g[1] + tokens
-        for key, (samples, tokens) in groups.items():
-            rate = self.rates.setdefault(key, _Rate(self.window, self.world))
-            self._log(pl_module, key, rate.update(seconds, samples, tokens), prog_bar=key == "")
+        for key, (samples, tokens, step_flops) in groups.items():
+            rate = self.rates.setdefault(key, _Rate(self.window, self.world, self.available))
+            self._log(pl_module, key, rate.update(seconds, samples, tokens, step_flops), prog_bar=key == "")
+        if len(self.waits) >= 2:
+            pl_module.log(
+                "throughput/data_wait", sum(w for w, _ in self.waits) / sum(s for _, s in self.waits)
+            )
+        if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+            pl_module.log("memory/peak_gb", peak_memory_gb(pl_module.device))
 
 
 class BadSampleReport(L.Callback):
