@@ -873,11 +873,12 @@ def _pretrained_parts(recipe: RecipeConfig):
     return parts
 
 
-def build_strategy(t, unused: bool = False):
-    """``trainer.strategy`` as Lightning takes it: ``fsdp2`` → ``FSDP2Strategy``; ``ddp`` told about
-    parameters that some steps leave without gradient (``unused``); other names unchanged."""
+def build_strategy(t, unused: bool = False, sharded: bool = False):
+    """``trainer.strategy`` as Lightning takes it: ``fsdp2`` → ``FSDP2Strategy`` (``sharded``: each rank
+    saves its own shard); ``ddp`` told about parameters that some steps leave without gradient
+    (``unused``); other names unchanged."""
     if t.strategy == "fsdp2":
-        return FSDP2Strategy()
+        return FSDP2Strategy(sharded=sharded)
     if unused and t.strategy == "ddp":
         return "ddp_find_unused_parameters_true"
     return t.strategy
@@ -913,7 +914,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
     # frozen parameters, or the parts of the tasks a sampled step does not train, get no gradient:
     # DDP must be told (find_unused_parameters), or it waits for them forever
     unused = bool(freeze) or (recipe.multitask.schedule == "sampled" and len(recipe.tasks) > 1)
-    strategy = build_strategy(t, unused)
+    strategy = build_strategy(t, unused, sharded=recipe.checkpoint.sharded)
     module.compile_blocks, module.checkpoint_blocks = t.compile, t.activation_checkpointing
     trainer = L.Trainer(
         accelerator=t.accelerator,

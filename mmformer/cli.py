@@ -51,22 +51,18 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     ``verbose`` prints the resolved recipe, the model's size and FLOPs, and what is resumed.
     """
     import lightning as L
-    import torch
 
     from .build import build_datamodule, build_module, build_trainer, pin_checkpoint
     from .config import recipe_to_yaml
     from .training.callbacks import LastValidationStep
     from .training.loggers import finish_loggers
     from .training.runs import RESUME_ENV, RUN_ID_ENV, describe_resume, open_run
+    from .training.sharded import read_meta
 
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     run = open_run(recipe.name, recipe.resume)
     trainer = None
-    resumed = (
-        None
-        if run.resume_from is None
-        else torch.load(run.resume_from, map_location="cpu", weights_only=True, mmap=True)
-    )
+    resumed = None if run.resume_from is None else read_meta(run.resume_from)  # recipe, tokenizers, step
     try:
         pin_checkpoint(resumed)  # a resumed run reads data with the checkpoint's own tokenizers
         datamodule = build_datamodule(recipe)  # fails here, before anything long, on bad data paths
@@ -186,14 +182,14 @@ def _report(trainer, run) -> None:
 
 def cmd_validate(args) -> int:
     import lightning as L
-    import torch
 
     from .build import build_datamodule, build_module, build_strategy, pin_checkpoint
     from .config import RecipeError, recipe_from_yaml
+    from .training.sharded import is_sharded, read_checkpoint
 
-    if not args.checkpoint.is_file():
+    if not (args.checkpoint.is_file() or is_sharded(args.checkpoint)):
         raise FileNotFoundError(f"checkpoint {str(args.checkpoint)!r} does not exist")
-    ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    ckpt = read_checkpoint(args.checkpoint)  # a sharded folder is merged here
     if "recipe_yaml" not in ckpt.get("mmformer", {}):
         raise RecipeError(f"{args.checkpoint} is not an mmformer training checkpoint (it carries no recipe)")
     recipe = recipe_from_yaml(ckpt["mmformer"]["recipe_yaml"], args.overrides)
@@ -405,6 +401,12 @@ def cmd_export(args) -> int:
     LoRA merged) as an HF directory, a ViT classifier as a timm directory."""
     from .models.pretrained import llama_config, save_hf_llama
 
+    if args.format == "safetensors":
+        from .training.sharded import export_safetensors
+
+        n = export_safetensors(args.checkpoint, args.out)
+        print(f"wrote {n} tensors (the training module's state_dict, recipe in the metadata) to {args.out}")
+        return 0
     if args.format == "timm" or (args.format == "auto" and _is_vit_checkpoint(args.checkpoint)):
         return _export_timm(args)
     from .nn.lora import merge_lora
@@ -528,17 +530,24 @@ def _parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
     e = sub.add_parser(
         "export",
-        help="write a checkpoint in its reference layout: HF Llama (LoRA merged) or timm ViT",
+        help="write a checkpoint in its reference layout: HF Llama (LoRA merged), timm ViT, or one "
+        "safetensors file (sharded checkpoints merged)",
         description="A Llama-layout model becomes an HF directory (config.json, model.safetensors, "
         "tokenizer.json, tokenizer_config.json with the chat template) that transformers' "
         "LlamaForCausalLM.from_pretrained loads; a ViT image classifier becomes a timm directory "
-        "(config.json, model.safetensors) that timm.create_model('local-dir:OUT', pretrained=True) loads.",
+        "(config.json, model.safetensors) that timm.create_model('local-dir:OUT', pretrained=True) loads; "
+        "--format safetensors writes any checkpoint's weights, a sharded checkpoint folder merged, to "
+        "the file OUT.",
     )
-    e.add_argument("checkpoint", type=Path, help="a .ckpt written by mmformer train, or pretrained weights")
-    e.add_argument("out", type=Path, help="output directory")
+    e.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a .ckpt (file or sharded folder) written by mmformer train, or pretrained weights",
+    )
+    e.add_argument("out", type=Path, help="output directory (a file for --format safetensors)")
     e.add_argument(
         "--format",
-        choices=("auto", "llama", "timm"),
+        choices=("auto", "llama", "timm", "safetensors"),
         default="auto",
         help="auto: timm for an image classifier",
     )

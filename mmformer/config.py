@@ -784,6 +784,9 @@ class CheckpointConfig:
     save_top_k: int = 1
     every_n_train_steps: Optional[int] = None  # also refresh last.ckpt every N optimizer steps
     save_last: bool = True
+    # trainer.strategy fsdp2: every rank writes its own shard (a folder) instead of rank 0 the whole
+    # state; `mmformer export CKPT --format safetensors` merges one into a single file
+    sharded: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in (None, "min", "max"):
@@ -1082,6 +1085,11 @@ def _check_references(recipe: RecipeConfig) -> None:
         raise RecipeError(
             f"'multitask.same_task_on_all_ranks: false' would hang: task {gathering[0]!r} gathers features "
             "from every rank inside its step, so all ranks must run it at the same step (set it to true)"
+        )
+    if recipe.checkpoint.sharded and recipe.trainer.strategy != "fsdp2":
+        raise RecipeError(
+            "'checkpoint.sharded: true' needs trainer.strategy: fsdp2 (to validate a sharded run's "
+            "checkpoint with another strategy, add checkpoint.sharded=false)"
         )
     if recipe.trainer.strategy == "fsdp2":
         if mt.schedule == "sampled" and not mt.same_task_on_all_ranks and len(recipe.tasks) > 1:

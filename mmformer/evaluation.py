@@ -34,10 +34,11 @@ def load_checkpoint(path: Path, task_kind: str) -> tuple[Loaded, str]:
     """``(loaded, task name)`` for the first task of kind ``task_kind`` in an mmformer checkpoint (the
     weights it holds: EMA weights when the run kept them). Raises ``FileNotFoundError``/``RecipeError``."""
     from .build import build_module, pin_checkpoint
+    from .training.sharded import is_sharded, read_checkpoint
 
-    if not Path(path).is_file():
+    if not (Path(path).is_file() or is_sharded(path)):
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = read_checkpoint(path)
     state = ckpt.get("mmformer", {})
     if "recipe_yaml" not in state:
         raise RecipeError(f"{path} is not an mmformer training checkpoint (it carries no recipe)")

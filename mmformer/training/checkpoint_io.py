@@ -20,6 +20,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a process killed mid-save
+            if stale != tmp:
+                stale.unlink(missing_ok=True)
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import lightning as L
 
+from .sharded import is_sharded
+
 RUN_ID_ENV, RESUME_ENV = "MMFORMER_RUN_ID", "MMFORMER_RESUME_PATH"
 
 
@@ -72,7 +74,7 @@ def open_run(name: str, resume: str | None) -> Run:
             resume_from = find_latest_resumable(name)
         elif resume:
             resume_from = Path(resume)
-            if not resume_from.is_file():
+            if not (resume_from.is_file() or is_sharded(resume_from)):
                 raise FileNotFoundError(f"resume checkpoint {str(resume_from)!r} does not exist")
         if resume_from is not None and resume_from.parent.name == "checkpoints":
             run_dir = resume_from.parent.parent

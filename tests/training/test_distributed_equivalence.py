@@ -196,3 +196,43 @@ def test_checkpointing_and_compile_leave_the_gradient_unchanged(flag):
         grads.append([p.grad for p in m.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_sharded_checkpoints_resume_validate_and_merge_into_safetensors(workdir):
+    from safetensors.torch import load_file
+
+    images = make_image_folder(workdir / "images", n_per_class=8)
+    recipe = workdir / "tiny.yaml"
+    recipe.write_text(TINY_RECIPE.format(name="tiny", root=images))
+    fsdp = ["trainer.devices=2", "trainer.strategy=fsdp2"]
+    full = _run(recipe, workdir, "full", [*fsdp, "trainer.max_epochs=2"])
+
+    sharded = [*fsdp, "checkpoint.sharded=true"]
+    env = dict(os.environ, MMFORMER_RUNS=str(workdir / "runs" / "sharded"))
+
+    def cli(*args):
+        res = subprocess.run(
+            [sys.executable, "-m", "mmformer.cli", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr[-4000:]
+        return res.stdout
+
+    cli("train", str(recipe), *sharded, "trainer.max_epochs=1")
+    (last,) = (workdir / "runs" / "sharded").glob("*/*/checkpoints/last.ckpt")
+    assert last.is_dir() and (last / ".metadata").is_file() and len(list(last.glob("*.distcp"))) == 2
+    assert not list(last.parent.glob(".*.tmp")) and not list(last.parent.glob(".*.old"))
+    cli("train", str(recipe), *sharded, "trainer.max_epochs=2", "resume=auto")  # resumes from the folder
+
+    out = workdir / "merged.safetensors"
+    cli("export", str(last), str(out), "--format", "safetensors")
+    merged = load_file(str(out))
+    reference = torch.load(full, map_location="cpu", weights_only=True)["state_dict"]
+    assert set(merged) == set(reference)
+    for k, v in reference.items():  # sharded + resumed == assembled + uninterrupted
+        torch.testing.assert_close(merged[k], v, atol=1e-6, rtol=0, msg=k)
+    one = ["trainer.devices=1", "trainer.strategy=auto", "checkpoint.sharded=false"]
+    assert "val/toy/acc" in cli("validate", str(last), *one)
