@@ -44,6 +44,7 @@ from .config import (
     ProjectorHeadConfig,
     RecipeConfig,
     RecipeError,
+    ShardsDataConfig,
     TextClassificationDataConfig,
     TextDataConfig,
     ViTPatchConfig,
@@ -589,6 +590,33 @@ def build_audio_caption(cfg: AudioCaptionDataConfig, task, recipe: RecipeConfig)
     if tokenizer_modality(tok) != "audio":
         raise RecipeError(f"audio_caption data needs an audio tokenizer; {task.tokenizer!r} is not one")
     return audio_caption_data(cfg, _audio_preprocess(tok), text_tokenizer(recipe, name))
+
+
+@register("dataset", "shards", ShardsDataConfig)
+def build_shards(cfg: ShardsDataConfig, task, recipe: RecipeConfig):
+    from torch.utils.data import default_collate
+
+    from .data.audio import collate_audio
+    from .data.collate import collate_classification
+    from .data.image import _preprocess
+    from .data.shards import audio_decoder, image_decoder, shards_data, text_decoder
+
+    tok = recipe.model.tokenizers[task.tokenizer]
+    if task.kind == "classification" and tokenizer_modality(tok) == "image":
+        train, val = _preprocess(cfg, image_spec(tok))
+        decoders = {"image": (image_decoder(train), image_decoder(val), collate_classification)}
+    elif task.kind == "classification" and tokenizer_modality(tok) == "audio":
+        train, val = _audio_preprocess(tok)
+        decoders = {"audio": (audio_decoder(train), audio_decoder(val), collate_audio)}
+    elif task.kind == "causal_lm":
+        text = text_decoder(text_tokenizer(recipe, task.tokenizer), cfg.seq_len)
+        decoders = {"text": (text, text, default_collate)}
+    else:
+        raise RecipeError(
+            f"data.kind: shards is read by classification (image, audio) and causal_lm tasks, not {task.kind}"
+        )
+    num_classes = _num_classes(task, recipe) if task.kind == "classification" else None
+    return shards_data(cfg, task.kind, decoders, recipe.seed, num_classes)
 
 
 @register("dataset", "cifar10", CIFAR10DataConfig)

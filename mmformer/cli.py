@@ -3,7 +3,7 @@
 mmformer train RECIPE.yaml [key=value ...]     e.g. optim.lr=3e-4 trainer.devices=2 resume=auto
 mmformer validate CHECKPOINT.ckpt [key=value ...]
 mmformer info RECIPE.yaml [key=value ...]
-mmformer data prepare NAME [--force] | mmformer data list
+mmformer data prepare NAME [--force] | mmformer data list | mmformer data shard SRC --out DIR
 """
 
 from __future__ import annotations
@@ -466,9 +466,28 @@ def cmd_data(args) -> int:
             state = "prepared" if b.is_prepared(data_root() / name) else "not prepared"
             print(f"{name:{width}s} {state:13s} {b.description}")
         return 0
+    if args.action == "shard":
+        return _shard(args)
     if not args.name:
         raise SystemExit("usage: mmformer data prepare NAME  (see: mmformer data list)")
     prepare(args.name, force=args.force)  # logs where the dataset is
+    return 0
+
+
+def _shard(args) -> int:
+    from .data.roots import resolve_root
+    from .data.shards import shard_folder, shard_text
+
+    if not args.name or args.out is None:
+        raise UsageError("usage: mmformer data shard SOURCE --out DIR --modality image|audio|text")
+    src = resolve_root(args.name)
+    if args.modality == "text":
+        info = shard_text(src, args.out, args.val_fraction, args.seed, args.samples_per_shard)
+    else:
+        info = shard_folder(src, args.out, args.modality, args.samples_per_shard)
+    for split, shards in info["splits"].items():
+        print(f"{split}: {sum(n for _, n in shards)} samples in {len(shards)} shards")
+    print(f"wrote {args.out}/index.json; read it with data: {{kind: shards, root: {args.out}}}")
     return 0
 
 
@@ -597,10 +616,27 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("recipe", type=Path)
     i.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     i.set_defaults(fn=cmd_info)
-    d = sub.add_parser("data", help="bundled datasets")
-    d.add_argument("action", choices=["prepare", "list"])
-    d.add_argument("name", nargs="?")
+    d = sub.add_parser(
+        "data",
+        help="bundled datasets; WebDataset shards",
+        description="prepare NAME: build a bundled dataset; list: the bundled datasets; shard SOURCE --out DIR "
+        "--modality image|audio|text: write WebDataset tar shards of a class folder (SOURCE/<split>/<class>/"
+        "<file>) or a text corpus, with an index.json that data.kind: shards reads.",
+    )
+    d.add_argument("action", choices=["prepare", "list", "shard"])
+    d.add_argument("name", nargs="?", help="a bundled dataset name, or (shard) a source path or bundled name")
     d.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    d.add_argument("--out", type=Path, help="shard: the output folder")
+    d.add_argument(
+        "--modality", choices=["image", "audio", "text"], default="image", help="shard: what SOURCE holds"
+    )
+    d.add_argument(
+        "--samples-per-shard", type=_positive_int, default=1000, help="shard: samples per tar file"
+    )
+    d.add_argument(
+        "--val-fraction", type=float, default=0.05, help="shard text: documents held out (as data.kind text)"
+    )
+    d.add_argument("--seed", type=int, default=0, help="shard text: the split's seed (the recipe's seed)")
     d.set_defaults(fn=cmd_data)
     return p
 

@@ -200,6 +200,30 @@ class ImageFolderDataConfig:
 
 
 @dataclass
+class ShardsDataConfig:
+    """``tasks.<name>.data`` of kind ``shards``: WebDataset tar shards written by ``mmformer data shard``
+    (images or audio with class labels for classification, documents for a causal LM); read per rank and
+    per data-loader worker through a shuffling buffer (``mmformer.data.shards``)."""
+
+    kind: str = "shards"
+    root: str = MISSING
+    train_split: str = "train"
+    val_split: str = "val"
+    batch_size: int = 64
+    val_batch_size: Optional[int] = None
+    num_workers: int = 2
+    shuffle_buffer: int = 1000  # samples held for shuffling, per worker
+    seq_len: int = 256  # text: tokens per document (truncated, padded)
+    crop_padding: int = 0  # image training augmentation
+    hflip: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "batch_size", "val_batch_size", "shuffle_buffer", "seq_len")
+        if self.num_workers < 0 or self.crop_padding < 0:
+            raise ValueError("num_workers and crop_padding must be >= 0")
+
+
+@dataclass
 class CIFAR10DataConfig:
     """``tasks.<name>.data`` of kind ``cifar10``: CIFAR-10's python format (torchvision)."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import lightning as L
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .roots import DataError
 from .samplers import EvalShardSampler, ResumableShardSampler, start_part_way
@@ -96,6 +96,15 @@ class MultiTaskDataModule(L.LightningDataModule):
 
     def _loader(self, d: TaskData, dataset: Dataset, train: bool) -> DataLoader:
         world, rank = self._world()
+        if isinstance(dataset, IterableDataset):  # shards: the dataset splits itself by rank and worker
+            dataset.place(world, rank)
+            return DataLoader(
+                dataset,
+                batch_size=d.batch_size if train else d.val_batch_size,
+                num_workers=d.num_workers,
+                collate_fn=d.collate,
+                persistent_workers=d.num_workers > 0 and not train,
+            )
         if train:
             sampler = ResumableShardSampler(
                 dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.seed, drop_last=d.drop_last
@@ -135,8 +144,9 @@ class MultiTaskDataModule(L.LightningDataModule):
         def set_epoch() -> None:  # Lightning sees only this wrapper, so the samplers are set here
             epoch = trainer.current_epoch if trainer is not None else 0
             for dl in loaders.values():
-                if hasattr(dl.sampler, "set_epoch"):
-                    dl.sampler.set_epoch(epoch)
+                for part in (dl.sampler, dl.dataset):  # a sampler, or a streaming dataset (shards)
+                    if hasattr(part, "set_epoch"):
+                        part.set_epoch(epoch)
 
         def progress() -> tuple[int, int]:  # the trainer's epoch and the steps of it already trained
             if trainer is None:

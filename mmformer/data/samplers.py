@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import DistributedSampler, IterableDataset, Sampler
 
 
 class EvalShardSampler(Sampler[int]):
@@ -60,7 +60,9 @@ class ResumableShardSampler(DistributedSampler):
 
 
 def start_part_way(loader, batches: int) -> Iterator:
-    """``iter(loader)`` beginning at its batch ``batches`` (its sampler skips the samples before)."""
+    """``iter(loader)`` beginning at its batch ``batches`` (its sampler, or a streaming dataset, skips the
+    samples before)."""
     if batches:
-        loader.sampler.skip(batches * loader.batch_size)
+        skipper = loader.dataset if isinstance(loader.dataset, IterableDataset) else loader.sampler
+        skipper.skip(batches * loader.batch_size)
     return iter(loader)

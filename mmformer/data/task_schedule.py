@@ -94,7 +94,7 @@ class SampledTasks:
         loader = self.loaders[name]
         if len(loader) == 0:
             raise ValueError(f"task {name!r} has no training batches (fewer samples than one batch?)")
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch * 1000 + n_pass)
+        for part in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):
+            if hasattr(part, "set_epoch"):  # a sampler, or a streaming dataset (shards)
+                part.set_epoch(epoch * 1000 + n_pass)
         return start_part_way(loader, at) if at else iter(loader)

@@ -77,12 +77,14 @@ class AudioPreprocess:
     def max_samples(self) -> int:
         return int(round(self.max_seconds * self.sample_rate))
 
-    def decode(self, path: str | Path) -> tuple[Tensor, int]:
-        """The file's samples ``(S,)`` float32 in [-1, 1], channels averaged, and its rate."""
+    def decode(self, path) -> tuple[Tensor, int]:
+        """The file's samples ``(S,)`` float32 in [-1, 1], channels averaged, and its rate. ``path``: a
+        path, or a binary file object (a member of a shard)."""
         import soundfile
 
         try:
-            data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)  # (S, C)
+            source = path if hasattr(path, "read") else str(path)
+            data, rate = soundfile.read(source, dtype="float32", always_2d=True)  # (S, C)
         except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError
             raise AudioDecodeError(f"cannot decode audio {str(path)!r}: {e}") from None
         if data.shape[0] == 0:

@@ -1,0 +1,372 @@
+"""WebDataset tar shards, for corpora too big for one machine's folders (``mmformer data shard``).
+
+A shard folder holds ``<split>-000000.tar`` … (WebDataset's format: the files of one sample share a key,
+``000123.png`` + ``000123.cls``; written and read with the ``webdataset`` library) and ``index.json``
+(the format, the modality, class names and each shard's sample count). Sample files by modality:
+
+- ``image``: the original image bytes (``.png``, ``.jpg``, …) and ``.cls`` (class index);
+- ``audio``: the original audio bytes (``.wav``, ``.flac``, …) and ``.cls``;
+- ``text``: ``.txt``, one document.
+
+``ShardStream`` reads them as an ``IterableDataset``. Training: every epoch the shard order is shuffled
+from ``(seed, epoch)`` and dealt out by rank, then by data-loader worker (WebDataset's ``split_by_node``
+/ ``split_by_worker``); samples pass through a shuffling buffer; each worker yields a fixed quota
+(cycling its shards if they run short), so every rank takes the same number of steps and an epoch is
+``samples // (world · batch_size)`` batches. Every sample is read exactly once per epoch when the shards
+hold equal counts and their number divides by ranks × workers (otherwise a warning says so).
+Evaluation: rank ``r`` keeps the samples whose global index is ``r`` mod ``world`` (every sample
+exactly once over the ranks, as ``EvalShardSampler``). A run resumed mid-epoch skips, without decoding,
+the samples its workers had already delivered.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .roots import DataError
+
+log = logging.getLogger("mmformer.data")
+
+FORMAT = "mmformer-webdataset/1"
+INDEX = "index.json"
+
+
+# --------------------------------------------------------------------------- writing
+def write_shards(samples: Iterator[dict], out: Path, split: str, samples_per_shard: int) -> list[list]:
+    """Write ``samples`` (WebDataset dicts without ``__key__``) to ``out/<split>-NNNNNN.tar``; returns
+    ``[[file name, number of samples], …]``."""
+    import webdataset as wds
+
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[list] = []
+    writer, count = None, 0
+    for i, sample in enumerate(samples):
+        if writer is None or count == samples_per_shard:
+            if writer is not None:
+                writer.close()
+                shards[-1][1] = count
+            name = f"{split}-{len(shards):06d}.tar"
+            writer, count = wds.TarWriter(str(out / name)), 0
+            shards.append([name, 0])
+        writer.write({"__key__": f"{i:09d}", **sample})
+        count += 1
+    if writer is not None:
+        writer.close()
+        shards[-1][1] = count
+    return shards
+
+
+def _file_samples(items: list[tuple[str, int]]) -> Iterator[dict]:
+    for path, label in items:
+        yield {Path(path).suffix.lower().lstrip("."): Path(path).read_bytes(), "cls": label}
+
+
+def shard_folder(src: Path, out: Path, modality: str, samples_per_shard: int = 1000) -> dict:
+    """Shard an image or audio class folder (``src/<split>/<class>/<file>``; every split found: ``train``,
+    ``val``, …). Returns the index written to ``out/index.json``."""
+    from .audio import folder_samples
+    from .image_folder import IMAGE_EXTENSIONS, find_classes
+
+    splits = sorted(p.name for p in Path(src).iterdir() if p.is_dir() and not p.name.startswith("."))
+    if "train" not in splits:
+        raise DataError(f"{src} has no train/ split folder")
+    if modality == "image":
+        classes = find_classes(Path(src) / "train")
+        index = {c: i for i, c in enumerate(classes)}
+
+        def items(split: str) -> list[tuple[str, int]]:
+            root = Path(src) / split
+            return [
+                (str(p), index[c])
+                for c in find_classes(root)
+                for p in sorted((root / c).rglob("*"))
+                if p.suffix.lower() in IMAGE_EXTENSIONS
+            ]
+    else:
+        _, classes = folder_samples(Path(src) / "train")
+
+        def items(split: str) -> list[tuple[str, int]]:
+            return folder_samples(Path(src) / split, classes)[0]
+
+    info = {"format": FORMAT, "modality": modality, "classes": classes, "splits": {}}
+    for split in splits:
+        info["splits"][split] = write_shards(_file_samples(items(split)), out, split, samples_per_shard)
+    (out / INDEX).write_text(json.dumps(info, indent=1))
+    return info
+
+
+def shard_text(src: Path, out: Path, val_fraction: float, seed: int, samples_per_shard: int = 1000) -> dict:
+    """Shard a text corpus (blank-line separated documents), one document per sample, split into train
+    / val by document exactly as ``data.kind: text`` splits it (``val_fraction``, ``seed``)."""
+    from .text import corpus_split
+
+    docs, train, val = corpus_split(Path(src), val_fraction, seed)
+    info = {"format": FORMAT, "modality": "text", "classes": [], "splits": {}}
+    for split, ids in (("train", train), ("val", val)):
+        samples = ({"txt": docs[int(i)]} for i in ids)
+        info["splits"][split] = write_shards(samples, out, split, samples_per_shard)
+    (out / INDEX).write_text(json.dumps(info, indent=1))
+    return info
+
+
+def read_index(root: Path) -> dict:
+    """``root/index.json``; raises ``DataError`` when it is missing or not an mmformer shard index."""
+    path = Path(root) / INDEX
+    if not path.is_file():
+        raise DataError(f"{root} has no {INDEX}: write shards with `mmformer data shard`")
+    info = json.loads(path.read_text())
+    if info.get("format") != FORMAT:
+        raise DataError(f"{path}: format {info.get('format')!r}, expected {FORMAT!r}")
+    return info
+
+
+# --------------------------------------------------------------------------- reading
+def _samples(path: Path) -> Iterator[dict]:
+    """The samples of one tar shard as ``{"__key__": …, ext: bytes}`` (webdataset's tar iterators)."""
+    from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+    with open(path, "rb") as f:
+        files = ({**member, "__url__": str(path)} for member in tar_file_iterator(f))
+        yield from group_by_keys(files)
+
+
+class ShardStream(IterableDataset):
+    """Samples of one split's shards, decoded by ``decode(raw) -> item``.
+
+    Args:
+        root: the shard folder; ``shards``: ``[[file name, samples], …]`` of the split.
+        decode: raw WebDataset sample → dataset item (raises on an unreadable one: it is skipped,
+            reported with its shard and key under ``bad_samples``).
+        train: shuffle and deal shards by rank and worker (else: every sample once over the ranks).
+        batch_size: the loader's batch size (quotas are whole batches); ``world``, ``rank``: processes.
+        seed, shuffle_buffer: shard order and sample shuffling (``shuffle_buffer`` samples held).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        shards: list[list],
+        decode: Callable[[dict], dict],
+        train: bool,
+        batch_size: int,
+        world: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        shuffle_buffer: int = 1000,
+    ):
+        if not shards or sum(n for _, n in shards) == 0:
+            raise DataError(f"{root}: the split has no samples")
+        self.root, self.shards, self.decode, self.train = Path(root), shards, decode, train
+        self.batch_size, self.seed = batch_size, seed
+        self.shuffle_buffer, self.epoch, self._skip = shuffle_buffer, 0, 0
+        self.place(world, rank)
+
+    def place(self, world: int, rank: int) -> None:
+        """Read as rank ``rank`` of ``world`` (the datamodule calls this when it builds the loader)."""
+        self.world, self.rank = world, rank
+        total = sum(n for _, n in self.shards)
+        self.per_rank = (
+            (total // (world * self.batch_size)) * self.batch_size
+            if self.train
+            else len(range(rank, total, world))
+        )
+        sizes = {n for _, n in self.shards}
+        if self.train and (len(self.shards) % world or len(sizes) > 1):
+            log.warning(
+                "%s: %d training shards of %s samples for %d ranks: ranks hold different numbers of "
+                "samples, so within an epoch some are read twice and some not at all (equal steps on "
+                "every rank come first); write shards whose count divides by ranks × workers",
+                self.root,
+                len(self.shards),
+                "/".join(str(n) for n in sorted(sizes)),
+                world,
+            )
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, n: int) -> None:
+        """Leave out the first ``n`` samples this rank would deliver next pass (a run resumed mid-epoch)."""
+        self._skip = n
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        skip, self._skip = self._skip, 0
+        yield from (self._train if self.train else self._eval)(workers, worker, skip)
+
+    def _decoded(self, raw: dict) -> dict | None:
+        try:
+            return self.decode(raw)
+        except Exception as e:  # a corrupt file in a shard: skipped and named
+            where = f"{raw.get('__url__')}:{raw.get('__key__')}"
+            log.warning("unreadable sample skipped: %s (%s: %s)", where, type(e).__name__, e)
+            return None
+
+    def _quota(self, workers: int, worker: int) -> int:
+        """Samples worker ``worker`` delivers: whole batches, as the loader interleaves them."""
+        batches = self.per_rank // self.batch_size
+        return (batches // workers + (1 if worker < batches % workers else 0)) * self.batch_size
+
+    def _train(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
+        order = list(range(len(self.shards)))
+        random.Random(hash((self.seed, self.epoch))).shuffle(order)
+        mine = [s for i, s in enumerate(order) if i % self.world == self.rank] or [
+            order[self.rank % len(order)]
+        ]
+        mine = [s for i, s in enumerate(mine) if i % workers == worker] or [mine[worker % len(mine)]]
+        quota = self._quota(workers, worker)
+        # the loader takes batches from workers in turn: the first ``skip`` samples of this rank are
+        # the first batches of each worker, dealt round-robin
+        skipped_batches = skip // self.batch_size
+        own_skip = (
+            skipped_batches // workers + (1 if worker < skipped_batches % workers else 0)
+        ) * self.batch_size
+        rng = random.Random(hash((self.seed, self.epoch, self.rank, worker)))
+        delivered, bad = 0, []
+        while True:  # passes over this worker's shards; a worker that runs short starts another
+            for pick in _buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
+                if delivered >= quota:
+                    return
+                if delivered < own_skip:  # a resumed epoch: what was already trained, not decoded
+                    delivered += 1
+                    continue
+                item = self._decoded(pick)
+                if item is None:
+                    bad.append(f"{pick.get('__url__')}:{pick.get('__key__')}")
+                    continue
+                item["bad_samples"], bad = bad, []
+                delivered += 1
+                yield item
+            rng.shuffle(mine)
+
+    def _pass(self, shards: list[int]) -> Iterator[dict]:
+        for s in shards:
+            yield from _samples(self.root / self.shards[s][0])
+
+    def _eval(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
+        start = 0
+        for s, (name, n) in enumerate(self.shards):
+            if s % workers == worker:
+                for j, raw in enumerate(_samples(self.root / name)):
+                    if (start + j) % self.world == self.rank:
+                        item = self._decoded(raw)
+                        if item is not None:
+                            item.setdefault("bad_samples", [])
+                            yield item
+            start += n
+
+
+def _buffer_shuffled(samples: Iterator[dict], size: int, rng: random.Random) -> Iterator[dict]:
+    """WebDataset's shuffle: hold ``size`` samples, emit a random one as each new one arrives, then drain
+    the rest in random order when the stream ends."""
+    buffer: list[dict] = []
+    for sample in samples:
+        buffer.append(sample)
+        if len(buffer) >= size:
+            yield buffer.pop(rng.randrange(len(buffer)))
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+# --------------------------------------------------------------------------- decoding per modality
+MEDIA = {
+    "image": (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"),
+    "audio": (".wav", ".flac", ".ogg", ".mp3"),
+}
+
+
+def _media(raw: dict, modality: str) -> bytes:
+    for ext in MEDIA[modality]:
+        if ext[1:] in raw:
+            return raw[ext[1:]]
+    raise DataError(f"sample {raw.get('__key__')} has no {modality} file ({', '.join(MEDIA[modality])})")
+
+
+def image_decoder(transform) -> Callable[[dict], dict]:
+    """Raw sample → ``{"image", "label"}`` through the image tokenizer's data side (load, augment)."""
+
+    def decode(raw: dict) -> dict:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(_media(raw, "image"))) as im:
+            im.load()
+            pixels = transform.load(im)
+        return {"image": transform.augment(pixels), "label": int(raw["cls"])}
+
+    return decode
+
+
+def audio_decoder(preprocess) -> Callable[[dict], dict]:
+    """Raw sample → ``{"audio", "label", "path"}`` through the audio tokenizer's data side."""
+
+    def decode(raw: dict) -> dict:
+        wave = preprocess.load(io.BytesIO(_media(raw, "audio")))
+        return {"audio": wave, "label": int(raw["cls"]), "path": f"{raw['__url__']}:{raw['__key__']}"}
+
+    return decode
+
+
+def text_decoder(tokenizer, seq_len: int) -> Callable[[dict], dict]:
+    """Raw sample → one padded document (``bos`` + tokens + ``eos``, truncated), as ``PaddedText``."""
+
+    def decode(raw: dict) -> dict:
+        text = raw["txt"].decode("utf-8") if isinstance(raw["txt"], bytes) else raw["txt"]
+        toks = [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id][:seq_len]
+        ids = torch.full((seq_len,), tokenizer.pad_id, dtype=torch.long)
+        ids[: len(toks)] = torch.tensor(toks, dtype=torch.long)
+        valid = torch.zeros(seq_len, dtype=torch.bool)
+        valid[: len(toks)] = True
+        return {"text": ids, "text_valid": valid, "text_document": torch.zeros(seq_len, dtype=torch.long)}
+
+    return decode
+
+
+def shards_data(
+    cfg, task_kind: str, decoders: dict[str, Callable], seed: int, num_classes: int | None = None
+):
+    """``TaskData`` for ``data.kind: shards``: ``decoders`` maps the index's modality to ``(train decode,
+    val decode, collate)``. Raises ``DataError`` for a modality this task cannot read or a class count
+    that differs from the head's."""
+    from .datamodule import TaskData
+    from .roots import resolve_root
+
+    root = resolve_root(cfg.root)
+    info = read_index(root)
+    modality = info["modality"]
+    if modality not in decoders:
+        raise DataError(
+            f"{root} holds {modality} shards; a {task_kind} task here reads {', '.join(decoders)}"
+        )
+    if num_classes is not None and len(info["classes"]) != num_classes:
+        raise DataError(
+            f"{root} has {len(info['classes'])} classes but the head has num_classes={num_classes}"
+        )
+    for split in (cfg.train_split, cfg.val_split):
+        if split not in info["splits"]:
+            raise DataError(f"{root} has no {split!r} shards (splits: {', '.join(info['splits'])})")
+    train_decode, val_decode, collate = decoders[modality]
+    val_batch = cfg.val_batch_size or cfg.batch_size
+    common = {"seed": seed, "shuffle_buffer": cfg.shuffle_buffer}
+    return TaskData(
+        train=ShardStream(
+            root, info["splits"][cfg.train_split], train_decode, True, cfg.batch_size, **common
+        ),
+        val=ShardStream(root, info["splits"][cfg.val_split], val_decode, False, val_batch, **common),
+        collate=collate,
+        batch_size=cfg.batch_size,
+        val_batch_size=val_batch,
+        num_workers=cfg.num_workers,
+        drop_last=True,
+    )
