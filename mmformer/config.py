@@ -298,8 +298,12 @@ class TextDataConfig:
     val_batch_size: Optional[int] = None
     num_workers: int = 0
     drop_last: bool = True
+    # pack: false — batches of documents of similar length, trimmed to their longest (less padding)
+    bucket_by_length: bool = False
 
     def __post_init__(self) -> None:
+        if self.bucket_by_length and self.pack:
+            raise ValueError("bucket_by_length needs pack: false (packed windows all have seq_len tokens)")
         _positive(self, "seq_len", "batch_size", "val_batch_size")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
@@ -465,6 +469,7 @@ class AudioFolderDataConfig:
     val_batch_size: Optional[int] = None
     num_workers: int = 0
     drop_last: bool = True
+    bucket_by_length: bool = False  # batches of clips of similar duration (less padding)
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "val_batch_size")

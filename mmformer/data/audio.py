@@ -55,6 +55,18 @@ class AudioClips(Dataset):
         raise DataError(f"{MAX_CONSECUTIVE_BAD} consecutive unreadable clips from {self.samples[i][0]} on")
 
 
+def clip_milliseconds(path: str) -> int:
+    """A clip's duration in milliseconds from its header (0 when unreadable: it sorts first and is
+    reported when loaded)."""
+    import soundfile
+
+    try:
+        info = soundfile.info(str(path))
+    except Exception:  # unreadable: AudioClips reports it by path when it loads it
+        return 0
+    return int(1000 * info.frames / max(info.samplerate, 1))
+
+
 def collate_audio(samples: list[dict]) -> dict:
     """Right-pad the clips with zeros to the longest one; ``label`` when the items carry one."""
     n = max(s["audio"].shape[0] for s in samples)
@@ -136,12 +148,19 @@ def audio_classification_data(
         val = [(r["audio"], index[r["label"]]) for r in val_rows]
     if num_classes is not None and num_classes != len(classes):
         raise DataError(f"{root} has {len(classes)} classes but the head has num_classes={num_classes}")
+    lengths = None
+    if getattr(cfg, "bucket_by_length", False):
+
+        def lengths() -> list[int]:  # durations from the file headers, in ms (nothing decoded)
+            return [clip_milliseconds(p) for p, _ in train]
+
     return TaskData(
         train=AudioClips(train, preprocess[0], classes),
         val=AudioClips(val, preprocess[1], classes),
         train_sources=[p for p, _ in train],
         val_sources=[p for p, _ in val],
         collate=collate_audio,
+        lengths=lengths,
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,
         num_workers=cfg.num_workers,

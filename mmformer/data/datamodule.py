@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .roots import DataError
-from .samplers import EvalShardSampler, ResumableShardSampler, start_part_way
+from .samplers import EvalShardSampler, LengthBuckets, ResumableShardSampler, start_part_way
 from .task_schedule import SampledTasks
 from .windows import AccumulationWindows
 
@@ -67,6 +67,8 @@ class TaskData:
     # ``text_source(text)``; None = not checked
     train_sources: list[str] | None = None
     val_sources: list[str] | None = None
+    # length bucketing: returns the length of every training sample (tokens, audio samples)
+    lengths: Callable[[], list[int]] | None = None
 
 
 class MultiTaskDataModule(L.LightningDataModule):
@@ -116,6 +118,14 @@ class MultiTaskDataModule(L.LightningDataModule):
                     "processes that share it"
                 )
             sampler = EvalShardSampler(len(dataset), world, rank)
+        if train and d.lengths is not None:  # length bucketing: the loader takes whole batches
+            return DataLoader(
+                dataset,
+                batch_sampler=LengthBuckets(sampler, d.lengths(), d.batch_size, d.drop_last),
+                num_workers=d.num_workers,
+                collate_fn=d.collate,
+                generator=sampler.generator,
+            )
         return DataLoader(
             dataset,
             batch_size=d.batch_size if train else d.val_batch_size,
@@ -144,7 +154,7 @@ class MultiTaskDataModule(L.LightningDataModule):
         def set_epoch() -> None:  # Lightning sees only this wrapper, so the samplers are set here
             epoch = trainer.current_epoch if trainer is not None else 0
             for dl in loaders.values():
-                for part in (dl.sampler, dl.dataset):  # a sampler, or a streaming dataset (shards)
+                for part in (dl.batch_sampler, dl.sampler, dl.dataset):  # whichever orders the data
                     if hasattr(part, "set_epoch"):
                         part.set_epoch(epoch)
 

@@ -63,6 +63,57 @@ def start_part_way(loader, batches: int) -> Iterator:
     """``iter(loader)`` beginning at its batch ``batches`` (its sampler, or a streaming dataset, skips the
     samples before)."""
     if batches:
-        skipper = loader.dataset if isinstance(loader.dataset, IterableDataset) else loader.sampler
-        skipper.skip(batches * loader.batch_size)
+        if isinstance(loader.batch_sampler, LengthBuckets):
+            loader.batch_sampler.skip(batches)
+        else:
+            skipper = loader.dataset if isinstance(loader.dataset, IterableDataset) else loader.sampler
+            skipper.skip(batches * loader.batch_size)
     return iter(loader)
+
+
+class LengthBuckets(Sampler[list[int]]):
+    """Batches of samples of similar length (fairseq's / HF's ``group_by_length``), for variable-length
+    text and audio: this rank's shuffled indices (``sampler``) are cut into chunks of ``chunk`` batches,
+    each chunk sorted by ``lengths`` and cut into batches, and the batches of a chunk shuffled — so
+    padding shrinks while the data order stays random and a function of ``(seed, rank, epoch)``.
+    ``set_epoch`` / ``skip(batches)`` as the sampler's (``skip`` counts batches here)."""
+
+    def __init__(
+        self,
+        sampler: ResumableShardSampler,
+        lengths,
+        batch_size: int,
+        drop_last: bool = True,
+        chunk: int = 50,
+    ):
+        if len(lengths) != len(sampler.dataset):
+            raise ValueError(f"{len(lengths)} lengths for {len(sampler.dataset)} samples")
+        self.sampler, self.lengths, self.batch_size = sampler, list(lengths), batch_size
+        self.drop_last, self.chunk, self._skip = drop_last, chunk, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def skip(self, batches: int) -> None:
+        self._skip = batches
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = list(self.sampler)
+        g = torch.Generator().manual_seed(
+            hash((self.sampler.seed, self.sampler.rank, self.sampler.epoch)) % 2**63
+        )
+        size = self.batch_size * self.chunk
+        batches = []
+        for start in range(0, len(indices), size):
+            part = sorted(indices[start : start + size], key=lambda i: self.lengths[i])
+            cut = [part[k : k + self.batch_size] for k in range(0, len(part), self.batch_size)]
+            order = torch.randperm(len(cut), generator=g).tolist()
+            batches += [cut[k] for k in order]
+        full = [b for b in batches if len(b) == self.batch_size]
+        batches = (full if self.drop_last else batches)[: len(self)]
+        skip, self._skip = self._skip, 0
+        return iter(batches[skip:])

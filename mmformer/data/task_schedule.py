@@ -94,7 +94,7 @@ class SampledTasks:
         loader = self.loaders[name]
         if len(loader) == 0:
             raise ValueError(f"task {name!r} has no training batches (fewer samples than one batch?)")
-        for part in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):
-            if hasattr(part, "set_epoch"):  # a sampler, or a streaming dataset (shards)
+        for part in (loader.batch_sampler, loader.sampler, loader.dataset):  # whichever orders the data
+            if hasattr(part, "set_epoch"):
                 part.set_epoch(epoch * 1000 + n_pass)
         return start_part_way(loader, at) if at else iter(loader)

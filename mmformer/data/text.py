@@ -149,6 +149,16 @@ class PaddedText(Dataset):
         }
 
 
+def collate_trimmed(samples: list[dict]) -> dict:
+    """``default_collate`` of padded documents, cut after the batch's longest one (trailing columns
+    that are padding in every row: they change no output, only cost compute)."""
+    from torch.utils.data import default_collate
+
+    batch = default_collate(samples)
+    n = int(batch["text_valid"].sum(1).max())
+    return {k: v[:, :n] if k.startswith("text") else v for k, v in batch.items()}
+
+
 def corpus_split(root: Path, val_fraction: float, seed: int) -> tuple[list[str], np.ndarray, np.ndarray]:
     """``(documents, train_ids, val_ids)`` of a corpus."""
     docs = read_documents(root)
@@ -174,12 +184,19 @@ def text_data(cfg, tokenizer, seed: int):
             return PackedText(cache, ids, cfg.seq_len, tokenizer.eos_id)
         return PaddedText(cache, ids, cfg.seq_len, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
 
+    lengths = None
+    if getattr(cfg, "bucket_by_length", False):
+
+        def lengths() -> list[int]:  # bos + document + eos, as PaddedText cuts it
+            return [min(len(cache.document(int(i))) + 2, cfg.seq_len) for i in train]
+
     return TaskData(
         train=make(train),
         val=make(val),
         train_sources=[text_source(docs[i]) for i in train],
         val_sources=[text_source(docs[i]) for i in val],
-        collate=default_collate,
+        collate=collate_trimmed if lengths is not None else default_collate,
+        lengths=lengths,
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,
         num_workers=cfg.num_workers,
