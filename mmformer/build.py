@@ -36,6 +36,8 @@ from .config import (
     ImageCaptionDataConfig,
     ImageFolderDataConfig,
     LMHeadConfig,
+    MaskedLMTaskConfig,
+    MLMHeadConfig,
     PrefixLMTaskConfig,
     PretrainedBackboneConfig,
     PretrainedHeadConfig,
@@ -63,7 +65,7 @@ from .data.text import corpus_split, text_data
 from .data.text_classification import text_classification_data
 from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
 from .models.diffusion import GaussianDiffusion, RectifiedFlow, beta_schedule
-from .models.heads import DiTFinalLayer, LMHead, ProjectionHead, ProjectorHead
+from .models.heads import DiTFinalLayer, LMHead, MLMHead, ProjectionHead, ProjectorHead
 from .models.prefix_lm import PrefixLM
 from .models.pretrained import (
     FAMILY_MODALITY,
@@ -81,6 +83,7 @@ from .tasks import ClassificationTask, MultiTaskModule
 from .tasks.contrastive import ContrastiveTask
 from .tasks.diffusion import DiffusionTask
 from .tasks.language_model import CausalLMTask
+from .tasks.masked_lm import MaskedLMTask
 from .tasks.prefix_lm import PrefixLMTask
 from .tokenizers import ViTPatchTokenizer
 from .tokenizers.audio import (
@@ -91,7 +94,7 @@ from .tokenizers.audio import (
     WhisperConvTokenizer,
 )
 from .tokenizers.diffusion import DiTTokenizer
-from .tokenizers.text import TextEmbedding, TextTokenizer
+from .tokenizers.text import MASK_TOKEN, TextEmbedding, TextTokenizer
 from .training.callbacks import (
     AudioSamples,
     BadSampleReport,
@@ -280,6 +283,37 @@ def build_lm_head(cfg: LMHeadConfig, d_model: int, tokenizer) -> LMHead:
     if cfg.tie_weights:
         head.tie_to(tokenizer.embed)
     return head
+
+
+@register("head", "mlm", MLMHeadConfig)
+def build_mlm_head(cfg: MLMHeadConfig, d_model: int, tokenizer) -> MLMHead:
+    if not isinstance(tokenizer, TextEmbedding):
+        raise RecipeError("an 'mlm' head needs a task whose tokenizer is a text tokenizer")
+    head = MLMHead(d_model, tokenizer.vocab_size)
+    if cfg.tie_weights:
+        head.tie_to(tokenizer.embed)
+    return head
+
+
+@register("task", "masked_lm", MaskedLMTaskConfig)
+def build_masked_lm(cfg: MaskedLMTaskConfig, recipe: RecipeConfig) -> MaskedLMTask:
+    backbone = recipe.model.backbone
+    if getattr(backbone, "causal", False):
+        raise RecipeError("a masked_lm task needs a bidirectional backbone: set model.backbone.causal: false")
+    tok = text_tokenizer(recipe, cfg.tokenizer)
+    if tok.mask_id is None:
+        raise RecipeError(
+            f"'model.tokenizers.{cfg.tokenizer}' has no mask token: use a BPE trained by mmformer (a masked_lm "
+            "task adds <|mask|>) or a BERT tokenizer"
+        )
+    specials = [
+        i
+        for i in (tok.bos_id, tok.eos_id, tok.pad_id, tok.mask_id, tok.image_id, tok.audio_id)
+        if i is not None
+    ]
+    return MaskedLMTask(
+        cfg.tokenizer, cfg.head, tok.mask_id, tok.vocab_size, specials, cfg.mask_prob, recipe.seed
+    )
 
 
 @register("task", "causal_lm", CausalLMTaskConfig)
@@ -608,12 +642,13 @@ def build_shards(cfg: ShardsDataConfig, task, recipe: RecipeConfig):
     elif task.kind == "classification" and tokenizer_modality(tok) == "audio":
         train, val = _audio_preprocess(tok)
         decoders = {"audio": (audio_decoder(train), audio_decoder(val), collate_audio)}
-    elif task.kind == "causal_lm":
+    elif task.kind in ("causal_lm", "masked_lm"):
         text = text_decoder(text_tokenizer(recipe, task.tokenizer), cfg.seq_len)
         decoders = {"text": (text, text, default_collate)}
     else:
         raise RecipeError(
-            f"data.kind: shards is read by classification (image, audio) and causal_lm tasks, not {task.kind}"
+            "data.kind: shards is read by classification (image, audio), causal_lm and masked_lm tasks, not "
+            f"{task.kind}"
         )
     num_classes = _num_classes(task, recipe) if task.kind == "classification" else None
     return shards_data(cfg, task.kind, decoders, recipe.seed, num_classes)
@@ -725,13 +760,14 @@ def text_tokenizer(recipe: RecipeConfig, name: str) -> TextTokenizer:
     digest = hashlib.sha256()
     for i in train:  # the exact training documents decide the tokenizer
         digest.update(docs[i].encode("utf-8") + b"\0")
-    key = f"bpe-{cfg.vocab_size}-{digest.hexdigest()[:16]}"
+    masked = any(t.kind == "masked_lm" and t.tokenizer == name for t in recipe.tasks.values())
+    key = f"bpe-{cfg.vocab_size}-{digest.hexdigest()[:16]}" + ("-mask" if masked else "")
     if key not in _TEXT_TOKENIZERS:
         path = (root if root.is_dir() else root.parent) / ".cache" / f"{key}.json"
         if path.is_file():
-            _TEXT_TOKENIZERS[key] = TextTokenizer.from_file(path)
+            _TEXT_TOKENIZERS[key] = TextTokenizer.from_file(path, {"mask": MASK_TOKEN} if masked else None)
         else:
-            tok = TextTokenizer.train((docs[i] for i in train), vocab_size=cfg.vocab_size)
+            tok = TextTokenizer.train((docs[i] for i in train), vocab_size=cfg.vocab_size, mask=masked)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # atomic: ranks may race here
             tok.save(tmp)

@@ -285,6 +285,33 @@ class CausalLMTaskConfig:
 
 
 @dataclass
+class MaskedLMTaskConfig:
+    """``tasks.<name>`` of kind ``masked_lm``: BERT's masked language modelling (``mask_prob`` of the real
+    tokens chosen, 80/10/10 [MASK] / random / kept, loss on the chosen ones), on a bidirectional backbone;
+    validation: masked-token accuracy, loss, perplexity (``mmformer.tasks.masked_lm``)."""
+
+    kind: str = "masked_lm"
+    weight: float = 1.0
+    tokenizer: str = MISSING
+    head: str = MISSING  # an mlm (or lm) head
+    mask_prob: float = 0.15
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+
+
+@dataclass
+class MLMHeadConfig:
+    """``model.heads.<name>`` of kind ``mlm``: BERT's masked-LM head (dense, GELU, LayerNorm, decoder over
+    the vocabulary with a bias; ``mmformer.models.heads.MLMHead``)."""
+
+    kind: str = "mlm"
+    tie_weights: bool = True  # the decoder shares the token-embedding matrix
+
+
+@dataclass
 class TextDataConfig:
     """``tasks.<name>.data`` of kind ``text``: a corpus (file or folder, blank-line separated documents),
     a path or a bundled name (``kjv``); tokenized once into a memory-mapped cache."""

@@ -6,6 +6,7 @@ Shape legend: B batch, N tokens, D model width, K classes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.tokens import Tokens
@@ -130,6 +131,33 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
         return self.head(hidden)
+
+
+class MLMHead(nn.Module):
+    """BERT's masked-LM head (``BertLMPredictionHead``, Devlin et al. 2019): ``dense (D → D)``, GELU,
+    LayerNorm, then a decoder over the vocabulary with its own bias, the decoder weight tied to the token
+    embedding by ``tie_to``. Hidden ``(B, N, D)`` → logits ``(B, N, V)``. Raises ``ValueError`` when the
+    tied shapes differ."""
+
+    def __init__(self, d_model: int, vocab_size: int, norm_eps: float = 1e-12):
+        super().__init__()
+        self.dense = nn.Linear(d_model, d_model)
+        self.norm = nn.LayerNorm(d_model, eps=norm_eps)
+        self.decoder = nn.Linear(d_model, vocab_size)
+        for layer in (self.dense, self.decoder):
+            nn.init.normal_(layer.weight, std=0.02)
+            nn.init.zeros_(layer.bias)
+
+    def tie_to(self, embedding: nn.Embedding) -> None:
+        if embedding.weight.shape != self.decoder.weight.shape:
+            raise ValueError(
+                f"cannot tie a {tuple(self.decoder.weight.shape)} decoder to a "
+                f"{tuple(embedding.weight.shape)} embedding"
+            )
+        self.decoder.weight = embedding.weight
+
+    def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
+        return self.decoder(self.norm(F.gelu(self.dense(hidden))))
 
 
 class DiTFinalLayer(nn.Module):

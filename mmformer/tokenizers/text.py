@@ -33,6 +33,7 @@ SPECIAL_TOKENS = {
     "image": "<image>",
     "audio": "<audio>",
 }
+MASK_TOKEN = "<|mask|>"  # masked language modelling's [MASK], in vocabularies trained for it
 
 
 class TextTokenizer:
@@ -41,7 +42,8 @@ class TextTokenizer:
     Build one with ``TextTokenizer.train(texts, vocab_size)`` or ``TextTokenizer.from_file(path)``
     (``mmformer.models.pretrained`` builds them from GGUF vocabularies and HF directories).
     Attributes ``bos_id``, ``eos_id``, ``pad_id``, ``image_id``, ``audio_id``, ``vocab_size`` and
-    ``chat_template`` (the Jinja template an instruct model carries, or None).
+    ``chat_template`` (the Jinja template an instruct model carries, or None); ``mask_id`` (None unless
+    the vocabulary has a mask token: trained with ``mask=True``, or BERT's ``[MASK]``).
     """
 
     def __init__(
@@ -61,13 +63,17 @@ class TextTokenizer:
         missing = [t for t in self.special.values() if t is not None and tokenizer.token_to_id(t) is None]
         if missing:
             tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        self.mask_id = None
         for name, token in self.special.items():
             setattr(self, f"{name}_id", tokenizer.token_to_id(token) if token is not None else None)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> TextTokenizer:
-        """Train a byte-level BPE on ``texts`` (an iterable of documents or lines).
+    def train(
+        cls, texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2, mask: bool = False
+    ) -> TextTokenizer:
+        """Train a byte-level BPE on ``texts`` (an iterable of documents or lines); ``mask`` adds the
+        ``<|mask|>`` special (``mask_id``) that masked language modelling needs.
 
         ``vocab_size`` counts the 256 byte symbols and the special tokens. Raises ``ValueError`` when it
         is too small to hold them.
@@ -85,12 +91,12 @@ class TextTokenizer:
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
             min_frequency=min_frequency,
-            special_tokens=list(SPECIAL_TOKENS.values()),
+            special_tokens=list(SPECIAL_TOKENS.values()) + ([MASK_TOKEN] if mask else []),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
         tok.train_from_iterator(_as_iterator(texts), trainer=trainer)
-        return cls(tok)
+        return cls(tok, {"mask": MASK_TOKEN} if mask else None)
 
     @classmethod
     def from_file(

@@ -34,7 +34,14 @@ from ..backbone import build_backbone
 from ..model import MultimodalModel
 from .llama import _load_into, _read_safetensors_dir
 
-BERT_SPECIAL = {"bos": "[CLS]", "eos": "[SEP]", "pad": "[PAD]", "image": None, "audio": None}
+BERT_SPECIAL = {
+    "bos": "[CLS]",
+    "eos": "[SEP]",
+    "pad": "[PAD]",
+    "mask": "[MASK]",
+    "image": None,
+    "audio": None,
+}
 
 
 class SentenceEmbeddingHead(nn.Module):
