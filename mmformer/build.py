@@ -76,6 +76,7 @@ from .models.pretrained import (
     resolve_pretrained,
 )
 from .models.pretrained.timm_vit import LoadReport, adapt_classifier, adapt_tokenizer, describe_timm_vit
+from .models.resampler import PerceiverResampler, ResampledTokenizer
 from .nn.lora import apply_lora
 from .nn.tokens import MODALITY_IDS
 from .registry import lookup, register
@@ -796,6 +797,9 @@ def build_model(
                 tokenizers[n] = lookup("tokenizer", c.kind).builder(c, width[n], tt.vocab_size)
             else:
                 tokenizers[n] = lookup("tokenizer", c.kind).builder(c, width[n])
+        for n, r in m.resamplers.items():  # a fixed token budget for this tokenizer's inputs
+            resampler = PerceiverResampler(width[n], r.num_latents, r.n_layers, r.n_heads, r.mlp_ratio)
+            tokenizers[n] = ResampledTokenizer(tokenizers[n], resampler)
         heads = {}
         for name, cfg in m.heads.items():
             readers = [

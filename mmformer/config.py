@@ -747,10 +747,25 @@ class PrefixLMTaskConfig:
 
 # --------------------------------------------------------------------------- top-level sections
 @dataclass
+class ResamplerConfig:
+    """``model.resamplers.<tokenizer>``: a Perceiver resampler after that tokenizer — its tokens, however
+    many, reach the backbone as ``num_latents`` tokens (``mmformer.models.resampler``)."""
+
+    num_latents: int = 64
+    n_layers: int = 2
+    n_heads: int = 8
+    mlp_ratio: float = 4.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_latents", "n_layers", "n_heads")
+
+
+@dataclass
 class ModelConfig:
     tokenizers: dict[str, Any] = field(default_factory=dict)
     backbone: dict[str, Any] = field(default_factory=dict)
     towers: dict[str, Any] = field(default_factory=dict)  # tokenizer name → its own backbone
+    resamplers: dict[str, ResamplerConfig] = field(default_factory=dict)  # tokenizer name → a resampler
     heads: dict[str, Any] = field(default_factory=dict)
     lora: Optional[LoRAConfig] = None
 
@@ -1159,6 +1174,14 @@ def _check_references(recipe: RecipeConfig) -> None:
                 "trainer.strategy: fsdp2"
             )
 
+    for name in recipe.model.resamplers:
+        if name not in recipe.model.tokenizers:
+            close = difflib.get_close_matches(name, recipe.model.tokenizers, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise RecipeError(
+                f"'model.resamplers.{name}' names no tokenizer: model.tokenizers has "
+                f"{', '.join(recipe.model.tokenizers) or 'none'}.{hint}"
+            )
     for name in recipe.model.towers:
         if name not in recipe.model.tokenizers:
             close = difflib.get_close_matches(name, recipe.model.tokenizers, n=1)
