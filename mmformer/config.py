@@ -39,7 +39,8 @@ class BackboneConfig:
     n_kv_heads: Optional[int] = None  # grouped-query attention (1 = multi-query)
     mlp_ratio: float = 4.0
     mlp_hidden: Optional[int] = None  # overrides mlp_ratio · d_model
-    block: str = "pre"  # pre | post (BERT) | cross (decoder with cross-attention) | adaln (DiT)
+    block: str = "pre"  # pre | post (BERT) | cross (decoder with cross-attention) | adaln (DiT) | conformer
+    conv_kernel: int = 31  # conformer: depthwise convolution width, in tokens (odd)
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-6
     act: str = "gelu"  # gelu | gelu_tanh | relu | swiglu

@@ -23,13 +23,14 @@ from torch import Tensor, nn
 
 from ..nn.attention import Attention, AttentionInputs, KVCache
 from ..nn.blocks import AdaLNBlock, Block, CrossAttentionBlock, PostNormBlock
+from ..nn.conformer import ConformerBlock
 from ..nn.masks import MaskSpec
 from ..nn.mlp import build_mlp
 from ..nn.norms import build_norm
 from ..nn.positions import RotaryEmbedding, alibi_slopes
 from ..nn.tokens import Tokens
 
-BLOCKS = ("pre", "post", "cross", "adaln")
+BLOCKS = ("pre", "post", "cross", "adaln", "conformer")
 POSITIONS = ("none", "rope", "alibi")
 
 
@@ -192,8 +193,10 @@ def build_backbone(
     attn_kernel: str = "auto",
     sdpa_backend: str = "auto",
     mlp_hidden: int | None = None,
+    conv_kernel: int = 31,
 ) -> Backbone:
-    """A ``Backbone`` of ``n_layers`` blocks of family ``block`` (``pre``, ``post``, ``cross``, ``adaln``).
+    """A ``Backbone`` of ``n_layers`` blocks of family ``block`` (``pre``, ``post``, ``cross``, ``adaln``,
+    ``conformer``: ``mlp_ratio`` sizes its feed-forwards, ``conv_kernel`` its depthwise convolution).
 
     Stochastic depth rises linearly over depth to ``drop_path`` (DeiT). ``mlp_hidden`` overrides
     ``mlp_ratio · d_model`` (Llama-style sizes); ``proj_bias`` is the attention output bias. Raises
@@ -233,6 +236,8 @@ def build_backbone(
                     d_model, attention(), mlp, attention(cross=True), norm, norm_eps, dp, layer_scale
                 )
             )
+        elif block == "conformer":
+            blocks.append(ConformerBlock(d_model, attention(), hidden, conv_kernel, drop, norm_eps))
         else:
             blocks.append(AdaLNBlock(d_model, attention(), mlp, d_cond or d_model, norm_eps, dp))
     final = build_norm(norm, d_model, norm_eps) if final_norm and block != "post" else nn.Identity()

@@ -25,8 +25,9 @@ class FlopMeter:
     matmuls and convolutions only, as ``FlopCounterMode`` counts; elementwise ops, norms, softmax and
     FFTs are not counted). Hooks only, outside the blocks, so it works with compiled blocks:
 
-    - each ``Backbone`` call of ``B`` sequences of ``N`` tokens: every block's linear layers per token
-      (the adaLN modulation per sequence; cross-attention keys/values per context token) plus attention
+    - each ``Backbone`` call of ``B`` sequences of ``N`` tokens: every block's linear layers and 1-D
+      convolutions per token (the adaLN modulation per sequence; cross-attention keys/values per
+      context token) plus attention
       ``4 · B · H · N · N_k · head_dim`` (scores and the weighted sum, full ``N × N_k`` as the kernels
       compute it, causal or not; ``N_k = N`` plus cached tokens);
     - every other ``nn.Linear`` and convolution (tokenizers, heads, towers' outside) from its input shape.
@@ -73,6 +74,9 @@ class FlopMeter:
         n_ctx = context.x.shape[1] if context is not None else 0
         for block in backbone.blocks:
             for name, m in block.named_modules():
+                if isinstance(m, nn.Conv1d):  # a conformer's convolutions run along the N tokens
+                    k = m.in_channels // m.groups * m.kernel_size[0]
+                    self.flops += 2 * B * N * m.out_channels * k
                 if not isinstance(m, nn.Linear):
                     continue
                 if "adaLN" in name:

@@ -51,14 +51,28 @@ def _dit():
     return model, tok.example_input(2), "x", "eps"
 
 
-@pytest.mark.parametrize("make", [_vit, _llama, _dit], ids=["vit", "llama-gqa-swiglu", "dit-adaln"])
+def _conformer():
+    emb = TextEmbedding(97, 32)
+    backbone = build_backbone(32, 2, 4, block="conformer", conv_kernel=5, positions="rope")
+    return (
+        MultimodalModel({"text": emb}, backbone, {"lm": LMHead(32, 97)}),
+        torch.randint(0, 97, (2, 9)),
+        "text",
+        "lm",
+    )
+
+
+@pytest.mark.parametrize(
+    "make", [_vit, _llama, _dit, _conformer], ids=["vit", "llama-gqa-swiglu", "dit-adaln", "conformer"]
+)
 def test_analytic_flops_equal_the_flop_counter_on_the_eager_path(make):
     torch.manual_seed(0)
     model, inputs, tokenizer, head = make()
     measured = count_flops(model, inputs, tokenizer, head)
     assert analytic_flops(model, inputs, tokenizer, head) == measured["forward"]
-    # a training step: backward costs twice the forward, less the input gradient of the first layer
-    assert 2.7 * measured["forward"] < measured["train"] <= 3 * measured["forward"]
+    # a training step: backward costs about twice the forward (less the first layer's input gradient;
+    # the counter charges a depthwise convolution's backward a little more)
+    assert 2.7 * measured["forward"] < measured["train"] <= 3.25 * measured["forward"]
 
 
 def test_the_meter_counts_every_call_and_detaches():
