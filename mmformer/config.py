@@ -56,7 +56,9 @@ class BackboneConfig:
     # modalities whose tokens attend to each other both ways in a causal backbone (Transfusion): a
     # causal LM and image / audio tasks sharing one backbone, e.g. [image, audio]
     bidirectional: list[str] = field(default_factory=list)
-    positions: str = "none"  # none (tokenizers add absolute ones) | rope | alibi
+    positions: str = "none"  # none (tokenizers add absolute ones) | rope | alibi | t5 | toeplitz
+    rel_buckets: int = 32  # t5: relative-position buckets
+    rel_max_distance: int = 128  # t5 / toeplitz: offsets beyond this share the last bucket
     rope_base: float = 10_000.0
     rope_axes: int = 1  # 2 = multimodal RoPE over (row, column) of patch grids (Qwen2-VL sections)
     window: Optional[int] = None  # sliding-window attention, in tokens

@@ -27,11 +27,11 @@ from ..nn.conformer import ConformerBlock
 from ..nn.masks import MaskSpec
 from ..nn.mlp import build_mlp
 from ..nn.norms import build_norm
-from ..nn.positions import RotaryEmbedding, alibi_slopes
+from ..nn.positions import RelativePositionBias, RotaryEmbedding, alibi_slopes
 from ..nn.tokens import Tokens
 
 BLOCKS = ("pre", "post", "cross", "adaln", "conformer")
-POSITIONS = ("none", "rope", "alibi")
+POSITIONS = ("none", "rope", "alibi", "t5", "toeplitz")
 
 
 def modality_spans(modality: Tensor, bidirectional: tuple[int, ...]) -> Tensor | None:
@@ -53,7 +53,9 @@ class Backbone(nn.Module):
         blocks: the block modules (all of one family).
         norm: the final norm (``nn.Identity()`` for none).
         causal: every query sees only earlier keys (decoders), except inside bidirectional spans.
-        positions: ``none`` (absolute embeddings from the tokenizers), ``rope`` or ``alibi``.
+        positions: ``none`` (absolute embeddings from the tokenizers), ``rope``, ``alibi``, or a learned
+            relative bias shared by all layers: ``t5`` (``rel_buckets`` log buckets up to
+            ``rel_max_distance``) or ``toeplitz`` (one value per offset up to ``rel_max_distance``).
         rope_base: RoPE θ; ``rope_axes``: 1 for sequences, 2 for patch grids (axial 2-D RoPE).
         window: sliding-window attention size in tokens, or None.
         bidirectional_modalities: modality ids whose contiguous runs attend bidirectionally in a
@@ -70,6 +72,8 @@ class Backbone(nn.Module):
         rope_axes: int = 1,
         window: int | None = None,
         bidirectional_modalities: tuple[int, ...] = (),
+        rel_buckets: int = 32,
+        rel_max_distance: int = 128,
     ):
         super().__init__()
         if positions not in POSITIONS:
@@ -81,6 +85,13 @@ class Backbone(nn.Module):
         self.causal, self.positions, self.window = causal, positions, window
         self.bidirectional_modalities = tuple(bidirectional_modalities)
         self.rope = RotaryEmbedding(attn.head_dim, rope_base, rope_axes) if positions == "rope" else None
+        self.rel_bias = (
+            RelativePositionBias(
+                self.n_heads, positions, rel_buckets, rel_max_distance, bidirectional=not causal
+            )
+            if positions in ("t5", "toeplitz")
+            else None
+        )
         # ALiBi slopes are made per forward in float32 (a buffer would be rounded by .to(bfloat16)).
 
     def init_weights(self) -> None:
@@ -149,6 +160,9 @@ class Backbone(nn.Module):
             q_pos=tokens.positions[..., 0],
             k_pos=positions[..., 0],
         )
+        if self.rel_bias is not None:  # one learned bias for every layer, from the positions' offsets
+            inputs.rel_table = self.rel_bias.table
+            inputs.rel_buckets = self.rel_bias.buckets(inputs.q_pos, inputs.k_pos)
         ctx = None
         if context is not None:
             ctx = context.x
@@ -194,6 +208,8 @@ def build_backbone(
     sdpa_backend: str = "auto",
     mlp_hidden: int | None = None,
     conv_kernel: int = 31,
+    rel_buckets: int = 32,
+    rel_max_distance: int = 128,
 ) -> Backbone:
     """A ``Backbone`` of ``n_layers`` blocks of family ``block`` (``pre``, ``post``, ``cross``, ``adaln``,
     ``conformer``: ``mlp_ratio`` sizes its feed-forwards, ``conv_kernel`` its depthwise convolution).
@@ -242,7 +258,16 @@ def build_backbone(
             blocks.append(AdaLNBlock(d_model, attention(), mlp, d_cond or d_model, norm_eps, dp))
     final = build_norm(norm, d_model, norm_eps) if final_norm and block != "post" else nn.Identity()
     backbone = Backbone(
-        blocks, final, causal, positions, rope_base, rope_axes, window, bidirectional_modalities
+        blocks,
+        final,
+        causal,
+        positions,
+        rope_base,
+        rope_axes,
+        window,
+        bidirectional_modalities,
+        rel_buckets,
+        rel_max_distance,
     )
     backbone.init_weights()
     return backbone

@@ -28,7 +28,7 @@ Dh head width.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,7 @@ class AttentionInputs:
         context_mask: which context tokens cross-attention may read (their ``valid``).
         rope: ``(cos, sin)`` for the queries' positions, ``(B, 1, Nq, Dh)`` each, or None.
         alibi_slopes: ``(H,)`` ALiBi slopes, or None.
+        rel_table, rel_buckets: a learned relative position bias ``table[bucket(q, k), h]`` (or None).
         q_pos: ``(B, Nq)`` query positions (ALiBi); k_pos: ``(B, Nk)`` key positions.
     """
 
@@ -57,9 +58,15 @@ class AttentionInputs:
     context_mask: MaskSpec = field(default_factory=MaskSpec)
     rope: tuple[Tensor, Tensor] | None = None
     alibi_slopes: Tensor | None = None
+    rel_table: Tensor | None = None  # (buckets, H) learned relative position bias (T5 / Toeplitz)
+    rel_buckets: Tensor | None = None  # (B, Nq, Nk) long: each query–key pair's bucket
+    rel_dense: Tensor | None = None  # (B, H, Nq, Nk) the bias itself, gathered once per forward
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
     block_mask: object | None = None  # FlexAttention BlockMask, built once per forward by the first layer
+    # eager / sdpa: (mask, Nq, Nk, dense mask or None, its fully masked query rows or None), built once
+    # per forward by the first layer and reused by the others
+    dense_mask: tuple | None = field(default=None, repr=False)
 
 
 class KVCache:
@@ -109,6 +116,16 @@ class KVCache:
         cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)
         self.valid, self.document = cat(self.valid, valid), cat(self.document, document)
         self.positions = cat(self.positions, positions)
+
+
+def _decoding_mask(mask: MaskSpec, n_k: int) -> MaskSpec:
+    """``mask`` without its causal rule when that rule hides nothing: every query sits at or after the
+    last key (one new token decoded against a KV cache), so ``k <= q`` holds for every key and a
+    bidirectional span can only re-allow what is allowed already. Padding, document and window rules
+    are kept (a window without causality also bounds ``k - q``, which is never positive here)."""
+    if mask.causal and mask.q_offset >= n_k - 1:
+        return replace(mask, causal=False, span=None)
+    return mask
 
 
 def eager_attention(
@@ -272,7 +289,7 @@ class Attention(nn.Module):
             return self.kernel
         m = inputs.mask
         needs_dense = m.document is not None or m.span is not None or m.window is not None
-        needs_dense = needs_dense or inputs.alibi_slopes is not None
+        needs_dense = needs_dense or inputs.alibi_slopes is not None or inputs.rel_table is not None
         decoding = (
             m.q_offset > 0
         )  # shapes change every step: a compiled flex kernel would recompile each time
@@ -293,17 +310,18 @@ class Attention(nn.Module):
             if inputs.block_mask is None:  # built once, shared by every layer of this forward
                 inputs.block_mask = mask.block_mask(q.shape[0], Nq, Nk, q.device)
             return flex_attention(q, k, v, inputs.block_mask, self._score_mod(inputs))
-        bias = self._alibi(inputs)
+        bias = self._bias(inputs)
+        mask = _decoding_mask(mask, Nk)
         fast_causal = mask.is_causal_only and Nq == Nk and bias is None
-        dense = None if (mask.is_full or fast_causal) else mask.dense(Nq, Nk, q.device)
+        dense, empty_rows = None, None
+        if not (mask.is_full or fast_causal) or kernel == "eager":
+            dense, empty_rows = self._dense(inputs, mask, Nq, Nk, q.device)
         if kernel == "eager":
-            if fast_causal:
-                dense = mask.dense(Nq, Nk, q.device)
             if self.n_kv_heads != self.n_heads:  # GQA: each group of H / Hkv query heads shares a kv head
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
             return eager_attention(q, k, v, dense, bias, dropout_p)
         attn_mask = dense
-        if bias is not None:  # sdpa takes one additive float mask: ALiBi plus the mask's own additive form
+        if bias is not None:  # sdpa takes one additive float mask: the bias plus the mask's additive form
             attn_mask = bias.to(q.dtype) if dense is None else bias.to(q.dtype) + to_additive(dense, q.dtype)
         with self._sdpa_context(q):
             out = F.scaled_dot_product_attention(
@@ -316,25 +334,58 @@ class Attention(nn.Module):
                 enable_gqa=self.n_kv_heads != self.n_heads,
             )
         if dense is not None:  # sdpa's fully masked rows are backend-dependent (NaN or mean): make them 0
-            out = out.masked_fill(~dense.any(dim=-1, keepdim=True), 0.0)
+            out = out.masked_fill(empty_rows, 0.0)
         return out
 
-    def _alibi(self, inputs: AttentionInputs) -> Tensor | None:
-        if inputs.alibi_slopes is None:
-            return None
-        from .positions import alibi_bias
+    @staticmethod
+    def _dense(
+        inputs: AttentionInputs, mask: MaskSpec, Nq: int, Nk: int, device: torch.device
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """``mask`` as a dense bool ``(B or 1, 1, Nq, Nk)`` tensor and its fully masked query rows
+        ``(B or 1, 1, Nq, 1)``; ``(None, None)`` when it allows everything. Built once per forward (every
+        layer of a backbone shares ``inputs`` and the shapes), not once per layer."""
+        cached = inputs.dense_mask
+        if cached is not None and cached[0] is inputs.mask and cached[1:3] == (Nq, Nk):
+            return cached[3], cached[4]
+        dense = None if mask.is_full else mask.dense(Nq, Nk, device)
+        empty_rows = None if dense is None else ~dense.any(dim=-1, keepdim=True)
+        inputs.dense_mask = (inputs.mask, Nq, Nk, dense, empty_rows)
+        return dense, empty_rows
 
-        return alibi_bias(inputs.alibi_slopes, inputs.q_pos, inputs.k_pos)  # (B, H, Nq, Nk)
+    def _bias(self, inputs: AttentionInputs) -> Tensor | None:
+        """The additive score bias ``(B, H, Nq, Nk)`` float32: ALiBi and / or a learned relative bias."""
+        bias = None
+        if inputs.alibi_slopes is not None:
+            from .positions import alibi_bias
+
+            bias = alibi_bias(inputs.alibi_slopes, inputs.q_pos, inputs.k_pos)
+        if inputs.rel_table is not None:
+            if inputs.rel_dense is None:  # every layer adds the same bias (T5): gather it once
+                inputs.rel_dense = inputs.rel_table.float()[inputs.rel_buckets].permute(0, 3, 1, 2)
+            bias = inputs.rel_dense if bias is None else bias + inputs.rel_dense
+        return bias
 
     def _score_mod(self, inputs: AttentionInputs):
-        if inputs.alibi_slopes is None:
+        mods = []
+        if inputs.alibi_slopes is not None:
+            slopes, qp, kp = inputs.alibi_slopes.float().to(inputs.q_pos.device), inputs.q_pos, inputs.k_pos
+            mods.append(
+                lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (qp[b, q_idx] - kp[b, kv_idx]).abs()
+            )
+        if inputs.rel_table is not None:
+            table, buckets = inputs.rel_table, inputs.rel_buckets
+            mods.append(lambda score, b, h, q_idx, kv_idx: score + table[buckets[b, q_idx, kv_idx], h])
+        if not mods:
             return None
-        slopes, qp, kp = inputs.alibi_slopes.float().to(inputs.q_pos.device), inputs.q_pos, inputs.k_pos
+        if len(mods) == 1:
+            return mods[0]
 
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (qp[b, q_idx] - kp[b, kv_idx]).abs()
+        def both(score, b, h, q_idx, kv_idx):
+            for mod in mods:
+                score = mod(score, b, h, q_idx, kv_idx)
+            return score
 
-        return alibi
+        return both
 
     def _sdpa_context(self, q: Tensor):
         from contextlib import nullcontext

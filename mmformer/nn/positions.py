@@ -9,6 +9,10 @@
   computed in float32 whatever the model dtype, so positions in the thousands stay exact in bf16.
 * ``alibi_slopes`` / ``alibi_bias`` — ALiBi (Press et al. 2022, arXiv:2108.12409 §3), slopes for any
   head count as in the reference implementation (closest power of two, then interleaved extras).
+* ``RelativePositionBias`` — a learned per-head scalar added to the attention scores, a function of the
+  key's offset from the query only (a Toeplitz matrix): T5's log-spaced buckets (Raffel et al. 2020,
+  §2.1; ``t5_relative_bucket`` equals HF ``T5Attention._relative_position_bucket``), or one value per
+  clipped offset (Shaw et al. 2018's clipping, as a scalar bias).
 
 Shape legend: B batch, N tokens, P position axes, H heads, Dh head width.
 """
@@ -156,3 +160,77 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     ``k_pos (B, Nk)`` → ``(B, H, Nq, Nk)`` float32. (Causal models only ever see ``pos_q ≥ pos_k``.)"""
     dist = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).abs().float()
     return -slopes.float().view(1, -1, 1, 1).to(dist.device) * dist
+
+
+def t5_relative_bucket(
+    relative_position: Tensor, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
+    """T5's bucket of ``relative_position = key position - query position`` (long, any shape): half the
+    buckets (all of them when not ``bidirectional``) hold exact small offsets, the rest log-spaced offsets
+    up to ``max_distance``; farther offsets share the last bucket. Bidirectional: keys after the query
+    use the upper half. Exactly HF transformers' ``T5Attention._relative_position_bucket``."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        n = relative_position.abs()
+    else:
+        n = -torch.clamp(relative_position, max=0)
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    large = (
+        max_exact
+        + (
+            torch.log(n.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+        ).long()
+    )
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, n, large)
+
+
+class RelativePositionBias(nn.Module):
+    """Learned relative position bias, shared by every layer (T5 computes it once, in the first layer).
+
+    Args:
+        n_heads: ``H``.
+        kind: ``t5`` (log buckets, ``num_buckets`` and ``max_distance``) or ``toeplitz`` (one value per
+            offset in ``[-max_distance, max_distance]``, farther offsets clipped).
+        bidirectional: keys after the query get their own buckets (encoders); False for causal models.
+
+    ``buckets(q_pos (B, Nq), k_pos (B, Nk)) → (B, Nq, Nk)`` long; ``forward`` → the additive bias
+    ``(B, H, Nq, Nk)`` float32 (``table[bucket, h]``). Raises ``ValueError`` for an unknown kind.
+    """
+
+    KINDS = ("t5", "toeplitz")
+
+    def __init__(
+        self,
+        n_heads: int,
+        kind: str = "t5",
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = True,
+    ):
+        super().__init__()
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown relative bias {kind!r}; choose from {self.KINDS}")
+        self.kind, self.num_buckets, self.max_distance, self.bidirectional = (
+            kind,
+            num_buckets,
+            max_distance,
+            bidirectional,
+        )
+        size = num_buckets if kind == "t5" else 2 * max_distance + 1
+        self.table = nn.Parameter(torch.zeros(size, n_heads))  # (buckets, H)
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.table, std=0.02)
+
+    def buckets(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        rel = k_pos[:, None, :].long() - q_pos[:, :, None].long()  # (B, Nq, Nk): key minus query
+        if self.kind == "t5":
+            return t5_relative_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
+        return rel.clamp(-self.max_distance, self.max_distance) + self.max_distance
+
+    def forward(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return self.table.float()[self.buckets(q_pos, k_pos)].permute(0, 3, 1, 2)
