@@ -62,9 +62,16 @@ class BackboneConfig:
     rope_base: float = 10_000.0
     rope_axes: int = 1  # 2 = multimodal RoPE over (row, column) of patch grids (Qwen2-VL sections)
     window: Optional[int] = None  # sliding-window attention, in tokens
+    # BigBird block-sparse attention: blocks of bigbird_block tokens read a band of bigbird_window
+    # blocks each side, bigbird_global leading blocks (which read everything) and bigbird_random others
+    bigbird_block: Optional[int] = None
+    bigbird_window: int = 1
+    bigbird_global: int = 1
+    bigbird_random: int = 1
     d_cond: Optional[int] = None  # adaln: conditioning width (default d_model)
     final_norm: bool = True
-    attn_kernel: str = "auto"  # auto | sdpa | flex | eager
+    attn_kernel: str = "auto"  # auto | sdpa | flex | eager | performer (random-feature linear attention)
+    performer_features: int = 256  # performer: random features per head
     sdpa_backend: str = "auto"  # auto | flash | efficient | cudnn | math (CUDA only)
 
     def __post_init__(self) -> None:

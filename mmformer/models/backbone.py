@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ..nn.attention import Attention, AttentionInputs, KVCache
 from ..nn.blocks import AdaLNBlock, Block, CrossAttentionBlock, PostNormBlock
 from ..nn.conformer import ConformerBlock
-from ..nn.masks import MaskSpec
+from ..nn.masks import MaskSpec, bigbird_layout
 from ..nn.mlp import build_mlp
 from ..nn.norms import build_norm
 from ..nn.positions import RelativePositionBias, RotaryEmbedding, alibi_slopes
@@ -74,6 +74,7 @@ class Backbone(nn.Module):
         bidirectional_modalities: tuple[int, ...] = (),
         rel_buckets: int = 32,
         rel_max_distance: int = 128,
+        bigbird: dict | None = None,
     ):
         super().__init__()
         if positions not in POSITIONS:
@@ -85,6 +86,8 @@ class Backbone(nn.Module):
         self.causal, self.positions, self.window = causal, positions, window
         self.bidirectional_modalities = tuple(bidirectional_modalities)
         self.rope = RotaryEmbedding(attn.head_dim, rope_base, rope_axes) if positions == "rope" else None
+        # BigBird block-sparse attention: {"block": tokens per block, "pattern": (window, global, random)}
+        self.bigbird = bigbird
         self.rel_bias = (
             RelativePositionBias(
                 self.n_heads, positions, rel_buckets, rel_max_distance, bidirectional=not causal
@@ -150,7 +153,20 @@ class Backbone(nn.Module):
             positions = torch.cat([cache.positions, positions], dim=1)
             if span is not None:  # a span never reaches back into cached tokens
                 span = torch.cat([span.new_zeros(span.shape[0], past), span], dim=1)
-        mask = MaskSpec.from_tokens(valid, document, self.causal, span, self.window, q_offset=past)
+        layout = None
+        if self.bigbird is not None:  # one block pattern over the whole (cached + new) sequence
+            n_blocks = -(-valid.shape[1] // self.bigbird["block"])
+            layout = bigbird_layout(n_blocks, *self.bigbird["pattern"]).to(valid.device)
+        mask = MaskSpec.from_tokens(
+            valid,
+            document,
+            self.causal,
+            span,
+            self.window,
+            past,
+            layout,
+            self.bigbird["block"] if layout is not None else 0,
+        )
         inputs = AttentionInputs(
             mask=mask,
             rope=self.rope(tokens.positions) if self.rope is not None else None,
@@ -210,6 +226,11 @@ def build_backbone(
     conv_kernel: int = 31,
     rel_buckets: int = 32,
     rel_max_distance: int = 128,
+    performer_features: int = 256,
+    bigbird_block: int | None = None,
+    bigbird_window: int = 1,
+    bigbird_global: int = 1,
+    bigbird_random: int = 1,
 ) -> Backbone:
     """A ``Backbone`` of ``n_layers`` blocks of family ``block`` (``pre``, ``post``, ``cross``, ``adaln``,
     ``conformer``: ``mlp_ratio`` sizes its feed-forwards, ``conv_kernel`` its depthwise convolution).
@@ -223,7 +244,7 @@ def build_backbone(
     hidden = mlp_hidden or int(d_model * mlp_ratio)
 
     def attention(cross: bool = False) -> Attention:
-        return Attention(
+        attn = Attention(
             d_model,
             n_heads,
             n_kv_heads,
@@ -237,6 +258,8 @@ def build_backbone(
             sdpa_backend=sdpa_backend,
             proj_bias=proj_bias,
         )
+        attn.n_features = performer_features
+        return attn
 
     blocks = []
     for i in range(n_layers):
@@ -268,6 +291,9 @@ def build_backbone(
         bidirectional_modalities,
         rel_buckets,
         rel_max_distance,
+        {"block": bigbird_block, "pattern": (bigbird_window, bigbird_global, bigbird_random)}
+        if bigbird_block
+        else None,
     )
     backbone.init_weights()
     return backbone

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from .masks import MaskSpec, to_additive
 from .positions import RotaryEmbedding
 
-KERNELS = ("auto", "eager", "sdpa", "flex")
+KERNELS = ("auto", "eager", "sdpa", "flex", "performer")
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
@@ -289,6 +289,7 @@ class Attention(nn.Module):
             return self.kernel
         m = inputs.mask
         needs_dense = m.document is not None or m.span is not None or m.window is not None
+        needs_dense = needs_dense or m.sparse_layout is not None
         needs_dense = needs_dense or inputs.alibi_slopes is not None or inputs.rel_table is not None
         decoding = (
             m.q_offset > 0
@@ -304,6 +305,8 @@ class Attention(nn.Module):
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
         kernel = self.resolve_kernel(q, inputs)
         dropout_p = self.attn_drop if self.training else 0.0
+        if kernel == "performer":
+            return self._performer(q, k, v, mask)
         if kernel == "flex":
             if dropout_p > 0.0:
                 raise ValueError("the flex kernel has no attention dropout; use sdpa or eager")
@@ -351,6 +354,31 @@ class Attention(nn.Module):
         empty_rows = None if dense is None else ~dense.any(dim=-1, keepdim=True)
         inputs.dense_mask = (inputs.mask, Nq, Nk, dense, empty_rows)
         return dense, empty_rows
+
+    n_features = 256  # performer: random features per head (set by the backbone's ``performer_features``)
+
+    def _performer(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:
+        """FAVOR+ (``nn.linear_attention``): causal or not, with padding; no documents, spans or windows."""
+        from .linear_attention import favor_attention, orthogonal_features
+
+        if (
+            mask.document is not None
+            or mask.span is not None
+            or mask.window is not None
+            or mask.q_offset
+            or (mask.sparse_layout is not None)
+        ):
+            raise ValueError(
+                "the performer kernel supports causal and padding masks only (no packed documents, "
+                "bidirectional spans, sliding windows or KV cache)"
+            )
+        features = getattr(self, "_features", None)
+        if features is None or features.shape != (self.n_features, self.head_dim):
+            generator = torch.Generator().manual_seed(0)  # fixed features: the same function in eval
+            self._features = features = orthogonal_features(self.n_features, self.head_dim, generator)
+        if self.n_kv_heads != self.n_heads:
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+        return favor_attention(q, k, v, features, mask.causal, mask.valid)
 
     def _bias(self, inputs: AttentionInputs) -> Tensor | None:
         """The additive score bias ``(B, H, Nq, Nk)`` float32: ALiBi and / or a learned relative bias."""

@@ -39,6 +39,8 @@ class MaskSpec:
         span: optional ``(B, Nk)`` long, bidirectional span ids (0 = none) inside a causal sequence.
         window: optional sliding-window size in tokens (>= 1).
         q_offset: position of the first query among the keys (KV-cache decoding).
+        sparse_layout: optional ``(Nq blocks, Nk blocks)`` bool, which key blocks each query block may
+            read (BigBird, ``bigbird_layout``), in blocks of ``sparse_block`` tokens.
     """
 
     causal: bool = False
@@ -47,6 +49,8 @@ class MaskSpec:
     span: Tensor | None = None
     window: int | None = None
     q_offset: int = 0
+    sparse_layout: Tensor | None = None
+    sparse_block: int = 0
 
     @classmethod
     def from_tokens(
@@ -57,6 +61,8 @@ class MaskSpec:
         span: Tensor | None = None,
         window: int | None = None,
         q_offset: int = 0,
+        sparse_layout: Tensor | None = None,
+        sparse_block: int = 0,
     ) -> MaskSpec:
         """Drop rules that allow everything, so kernels can take their fast path.
 
@@ -72,12 +78,20 @@ class MaskSpec:
             span=keep_span,
             window=window,
             q_offset=q_offset,
+            sparse_layout=sparse_layout,
+            sparse_block=sparse_block,
         )
 
     @property
     def is_full(self) -> bool:
         """Every query may attend to every key: no mask at all."""
-        return not self.causal and self.valid is None and self.document is None and self.window is None
+        return (
+            not self.causal
+            and self.valid is None
+            and self.document is None
+            and self.window is None
+            and self.sparse_layout is None
+        )
 
     @property
     def is_causal_only(self) -> bool:
@@ -88,6 +102,7 @@ class MaskSpec:
             and self.document is None
             and self.span is None
             and self.window is None
+            and self.sparse_layout is None
             and self.q_offset == 0
         )
 
@@ -118,6 +133,8 @@ class MaskSpec:
             ok = ok & self.valid[b, k]
         if self.document is not None:
             ok = ok & (self.document[b, qpos] == self.document[b, k])
+        if self.sparse_layout is not None:
+            ok = ok & self.sparse_layout[qpos // self.sparse_block, k // self.sparse_block]
         return ok
 
     def dense(self, n_q: int, n_k: int | None = None, device: torch.device | None = None) -> Tensor:
@@ -143,6 +160,26 @@ class MaskSpec:
         return create_block_mask(
             mask_mod, B, None, n_q, n_k, device=str(device), _compile=device.type == "cuda"
         )
+
+
+def bigbird_layout(
+    n_blocks: int, window: int = 1, global_blocks: int = 1, random_blocks: int = 1, seed: int = 0
+) -> Tensor:
+    """BigBird's block-sparse pattern (Zaheer et al. 2020, §2 and App. D, "ITC"): ``(n_blocks, n_blocks)``
+    bool, True where query block ``i`` may read key block ``j``: a band of ``window`` blocks on each
+    side, ``global_blocks`` leading blocks that read and are read by every block, and ``random_blocks``
+    other key blocks per query block drawn with ``seed``. Attention cost grows linearly with length."""
+    i = torch.arange(n_blocks)
+    layout = (i[:, None] - i[None, :]).abs() <= window
+    layout[:global_blocks, :] = True
+    layout[:, :global_blocks] = True
+    g = torch.Generator().manual_seed(seed)
+    for row in range(global_blocks, n_blocks):
+        free = (~layout[row]).nonzero().flatten()
+        if len(free):
+            pick = free[torch.randperm(len(free), generator=g)[:random_blocks]]
+            layout[row, pick] = True
+    return layout
 
 
 def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:

@@ -1,0 +1,61 @@
+"""Random-feature linear attention: Performer's FAVOR+ (Choromanski et al. 2021, "Rethinking Attention
+with Performers", §2.3–2.4; the positive orthogonal random features of ``performer-pytorch``).
+
+``softmax(q·k/√d)`` is estimated by ``φ(q)·φ(k)`` with ``φ(x) = exp(W x̃ − |x̃|²/2) / √m``,
+``x̃ = x / d^{1/4}``, ``W`` ``m`` orthogonal Gaussian rows; attention becomes
+``φ(Q) (φ(K)ᵀ V)`` normalised by ``φ(Q) (φ(K)ᵀ 1)`` — time and memory linear in the sequence
+length (causal: prefix sums). The estimate converges to softmax attention as ``m`` grows (tested).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def orthogonal_features(n_features: int, dim: int, generator: torch.Generator | None = None) -> Tensor:
+    """``(n_features, dim)``: stacked blocks of orthonormal rows (QR of Gaussian blocks), each row scaled
+    by the norm of a Gaussian vector, so rows are marginally Gaussian but orthogonal within a block."""
+    blocks = []
+    for _ in range(math.ceil(n_features / dim)):
+        q, _ = torch.linalg.qr(torch.randn(dim, dim, generator=generator))
+        blocks.append(q.T)
+    w = torch.cat(blocks)[:n_features]
+    norms = torch.randn(n_features, dim, generator=generator).norm(dim=1, keepdim=True)
+    return w * norms
+
+
+def _phi(x: Tensor, w: Tensor, is_query: bool) -> Tensor:
+    """Positive random features ``(…, N, m)`` of ``x (…, N, d)``; a max is subtracted for stability
+    (per query row; over all keys), which cancels in the normalisation."""
+    x = x * x.shape[-1] ** -0.25
+    proj = x @ w.T  # (..., N, m)
+    sq = x.square().sum(-1, keepdim=True) / 2
+    stab = proj.amax(dim=-1, keepdim=True) if is_query else proj.amax(dim=(-1, -2), keepdim=True)
+    return (torch.exp(proj - sq - stab.detach()) + 1e-6) / math.sqrt(w.shape[0])
+
+
+def favor_attention(
+    q: Tensor, k: Tensor, v: Tensor, features: Tensor, causal: bool = False, key_valid: Tensor | None = None
+) -> Tensor:
+    """FAVOR+ attention. ``q (B, H, Nq, Dh)``, ``k, v (B, H, Nk, Dh)``, ``features (m, Dh)``; ``causal``
+    needs ``Nq == Nk``; ``key_valid (B, Nk)`` bool drops padded keys. Computed in float32; returns
+    ``q.dtype``. Raises ``ValueError`` for causal attention with ``Nq != Nk``."""
+    dtype = q.dtype
+    q, k, v, w = q.float(), k.float(), v.float(), features.float().to(q.device)
+    if key_valid is not None:  # padded keys may hold anything: they must not set the stabilising max
+        k = k.masked_fill(~key_valid[:, None, :, None], 0.0)
+    qf, kf = _phi(q, w, True), _phi(k, w, False)  # (B, H, N, m)
+    if key_valid is not None:
+        kf = kf * key_valid[:, None, :, None].to(kf.dtype)
+    if not causal:
+        kv = kf.transpose(-1, -2) @ v  # (B, H, m, Dh)
+        norm = qf @ kf.sum(dim=-2).unsqueeze(-1)  # (B, H, Nq, 1)
+        return ((qf @ kv) / norm).to(dtype)
+    if q.shape[-2] != k.shape[-2]:
+        raise ValueError("causal random-feature attention needs as many queries as keys (no KV cache)")
+    kv = torch.cumsum(kf.unsqueeze(-1) * v.unsqueeze(-2), dim=-3)  # (B, H, N, m, Dh): prefix sums
+    norm = (qf * torch.cumsum(kf, dim=-2)).sum(-1, keepdim=True)  # (B, H, N, 1)
+    return ((qf.unsqueeze(-2) @ kv).squeeze(-2) / norm).to(dtype)
