@@ -2,6 +2,8 @@
 
     python bench/attention.py                      # CPU: N = 256 … 8192, eager vs sdpa (+ flex forward)
     python bench/attention.py --device cuda --max-len 32768
+    python bench/attention.py --kernels eager,sdpa,performer --features 256   # + random-feature attention
+    python bench/attention.py --approx             # FAVOR+ error against exact softmax attention vs features
 
 Each (kernel, N) runs in its own process so peak memory is that kernel's alone (max RSS on CPU,
 ``torch.cuda.max_memory_allocated`` on GPU). Prints a table with sdpa/eager ratios. Uses only the
@@ -21,12 +23,15 @@ import time
 import torch
 
 
-def measure(kernel: str, n: int, device: str, dtype: str, heads: int, head_dim: int, repeats: int) -> dict:
+def measure(
+    kernel: str, n: int, device: str, dtype: str, heads: int, head_dim: int, repeats: int, features: int = 256
+) -> dict:
     from mmformer.nn import Attention, MaskSpec
 
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     attn = Attention(heads * head_dim, heads, kernel=kernel).to(device, dt)
+    attn.n_features = features
     x = torch.randn(1, n, heads * head_dim, device=device, dtype=dt)
     mask = MaskSpec(causal=True)
     train = not (kernel == "flex" and device == "cpu")  # flex has no CPU backward
@@ -74,11 +79,17 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kernels", default="eager,sdpa,flex")
+    p.add_argument("--features", type=int, default=256, help="performer: random features per head")
+    p.add_argument("--approx", action="store_true", help="FAVOR+ approximation error vs features, then exit")
     p.add_argument("--one", nargs=2, metavar=("KERNEL", "N"), help=argparse.SUPPRESS)
     a = p.parse_args()
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    if a.approx:
+        approximation(a.head_dim)
+        return
     if a.one:
-        print(json.dumps(measure(a.one[0], int(a.one[1]), a.device, dtype, a.heads, a.head_dim, a.repeats)))
+        args = (a.device, dtype, a.heads, a.head_dim, a.repeats, a.features)
+        print(json.dumps(measure(a.one[0], int(a.one[1]), *args)))
         return
     lengths, n = [], a.min_len
     while n <= a.max_len:
@@ -100,6 +111,8 @@ def main() -> None:
                 str(a.head_dim),
                 "--repeats",
                 str(a.repeats),
+                "--features",
+                str(a.features),
                 "--one",
                 kernel,
                 str(n),
@@ -131,6 +144,30 @@ def main() -> None:
             print(
                 f"{n:>6} | {kernel:6} | {r['mode']:7} | {r['ms']:9.1f} | {r['peak_mb']:8.0f} | {rt:>12} | {rm:>11}"
             )
+
+
+def approximation(head_dim: int, n: int = 1024, seeds: int = 3) -> None:
+    """Relative error ‖FAVOR+ − softmax‖ / ‖softmax‖ of random-feature attention (causal and not) on
+    random q, k, v (entries N(0, 0.5²)), mean over ``seeds`` feature draws, as the features grow."""
+    from mmformer.nn.attention import eager_attention
+    from mmformer.nn.linear_attention import favor_attention, orthogonal_features
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, head_dim, generator=g) * 0.5 for _ in range(3))
+    print(f"FAVOR+ relative error vs exact softmax attention, N = {n}, 4 heads × {head_dim}")
+    print(f"{'features':>8} | {'bidirectional':>13} | {'causal':>8}")
+    causal_mask = torch.ones(n, n, dtype=torch.bool).tril()
+    exact = {False: eager_attention(q, k, v, None), True: eager_attention(q, k, v, causal_mask)}
+    for m in (16, 64, 256, 1024, 4096):
+        errs = {}
+        for causal in (False, True):
+            e = []
+            for seed in range(seeds):
+                w = orthogonal_features(m, head_dim, torch.Generator().manual_seed(seed))
+                approx = favor_attention(q, k, v, w, causal=causal)
+                e.append(float((approx - exact[causal]).norm() / exact[causal].norm()))
+            errs[causal] = sum(e) / len(e)
+        print(f"{m:>8} | {errs[False]:>13.3f} | {errs[True]:>8.3f}")
 
 
 if __name__ == "__main__":
