@@ -1,0 +1,693 @@
+"""mmformer against its peers on CPU: same-run paired timings at identical configurations.
+
+    python bench/peers.py                       # all five, full sizes (a few minutes each)
+    python bench/peers.py --quick               # tiny sizes, ~1 minute: checks the script works
+    python bench/peers.py --only vit,dit        # some of: vit, gpt2, llama, generate, dit
+
+Benchmarks (fp32, ``torch.set_num_threads(2)`` unless ``--threads``):
+  vit       ViT-S/16 training step vs timm ``vit_small_patch16_224``            images/s
+  gpt2      GPT-2 small training step vs transformers ``GPT2LMHeadModel`` (sdpa)   tokens/s
+  llama     SmolLM2-135M training step vs transformers ``LlamaForCausalLM`` (sdpa) tokens/s
+  generate  greedy KV-cache decoding of the real SmolLM2-135M-Instruct, batch 1 and 4 (left-padded),
+            ``mmformer.models.generate.generate`` vs ``LlamaForCausalLM.generate``  new tokens/s
+  dit       DiT-S/2 training step vs the DiT paper's model (facebookresearch/DiT ``models.py``, rebuilt
+            below from timm's ``PatchEmbed`` / ``Attention`` / ``Mlp``)              samples/s
+
+Each benchmark builds both models at one configuration, copies the weights across (or loads the same
+checkpoint into both) and checks they compute the same thing (forward outputs, the first step's loss,
+greedy ids) before timing. A training step is forward, the loss, backward and an AdamW step with the
+same settings on both sides (``--optimizer foreach`` / ``fused`` for the multi-tensor / fused AdamW).
+After warm-up the two sides run alternately in this process (mmformer, peer, mmformer, peer, …), so
+both see the same machine state; printed: each side's median time and throughput, and the median and
+interquartile range of the per-pair ratios peer time / mmformer time (> 1: mmformer is faster).
+Uses only the model library (``mmformer.nn``, ``mmformer.models``, ``mmformer.tokenizers``) besides
+the peers themselves (timm, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BENCHMARKS = ("vit", "gpt2", "llama", "generate", "dit")
+
+
+# ---------------------------------------------------------------------------------------- harness
+@dataclass
+class Settings:
+    quick: bool
+    pairs: int
+    warmup: int
+    optimizer: str  # default | foreach | fused
+
+
+@dataclass
+class Result:
+    name: str
+    peer: str
+    unit: str
+    units: float  # per call
+    mm_s: float
+    peer_s: float
+    ratio: float
+    q1: float
+    q3: float
+    pairs: int
+
+    def lines(self) -> list[str]:
+        return [
+            f"  mmformer   {self.mm_s * 1e3:9.1f} ms   {self.units / self.mm_s:9.1f} {self.unit}",
+            f"  {self.peer:10} {self.peer_s * 1e3:9.1f} ms   {self.units / self.peer_s:9.1f} {self.unit}",
+            f"  {self.peer} / mmformer time: median {self.ratio:.3f}, IQR {self.q1:.3f}–{self.q3:.3f} "
+            f"over {self.pairs} pairs (> 1: mmformer faster)",
+        ]
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
+    return q1, q2, q3
+
+
+def paired(
+    name: str,
+    peer: str,
+    mm_call: Callable[[], object],
+    peer_call: Callable[[], object],
+    units: float,
+    unit: str,
+    s: Settings,
+) -> Result:
+    """Warm up both, then time them alternately ``s.pairs`` times; ratios are per pair."""
+    for _ in range(s.warmup):
+        mm_call()
+        peer_call()
+    gc.collect()
+    gc.disable()  # no collector pauses inside a timed call (both sides alike)
+    t_mm, t_peer = [], []
+    try:
+        for _ in range(s.pairs):
+            t0 = time.perf_counter()
+            mm_call()
+            t1 = time.perf_counter()
+            peer_call()
+            t2 = time.perf_counter()
+            t_mm.append(t1 - t0)
+            t_peer.append(t2 - t1)
+    finally:
+        gc.enable()
+    ratios = [b / a for a, b in zip(t_mm, t_peer)]
+    q1, med, q3 = quartiles(ratios)
+    r = Result(
+        name, peer, unit, units, statistics.median(t_mm), statistics.median(t_peer), med, q1, q3, s.pairs
+    )
+    for line in r.lines():
+        print(line, flush=True)
+    return r
+
+
+def check_close(what: str, got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:
+    """``max |got - want| <= rel · max |want|``; prints the difference, raises ``AssertionError``."""
+    got, want = got.detach().float(), want.detach().float()
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shapes differ, {tuple(got.shape)} vs {tuple(want.shape)}")
+    diff, scale = (got - want).abs().max().item(), want.abs().max().item()
+    print(f"  check {what}: max |Δ| = {diff:.2e} (max |ref| = {scale:.2e})", flush=True)
+    if not diff <= rel * max(scale, 1e-12):
+        raise AssertionError(f"{what}: mmformer and the peer differ by {diff:.3e} (> {rel} × {scale:.3e})")
+
+
+def adamw(model: nn.Module, s: Settings) -> torch.optim.Optimizer:
+    kw = {"foreach": {"foreach": True}, "fused": {"fused": True}, "default": {}}[s.optimizer]
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.05, **kw)
+
+
+def train_step(model: nn.Module, loss_fn: Callable[[], torch.Tensor], s: Settings):
+    """A closure doing one training step (zero grads, loss, backward, AdamW step); returns the loss."""
+    opt = adamw(model, s)
+    model.train()
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def first_losses_match(mm_step, peer_step, rel: float = 1e-4) -> None:
+    """Run the first step of each (same weights, same batch): their losses must agree."""
+    a, b = mm_step(), peer_step()
+    check_close("first-step loss", a, b, rel)
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, the same function on both sides."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+# ---------------------------------------------------------------------------------------- (a) ViT
+def bench_vit(s: Settings) -> list[Result]:
+    import timm
+
+    from mmformer.models import ClassifierHead, MultimodalModel, build_backbone
+    from mmformer.models.pretrained.timm_vit import timm_to_mmformer
+    from mmformer.tokenizers import ViTPatchTokenizer
+
+    if s.quick:
+        cfg = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=10)
+        batch = 4
+    else:
+        cfg = dict(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6, num_classes=1000)
+        batch = 8
+    print(
+        f"\n[vit] ViT-S/16-style training step: {cfg}, batch {batch}, vs timm vit_small_patch16_224",
+        flush=True,
+    )
+    torch.manual_seed(0)
+    ref = timm.create_model(
+        "vit_small_patch16_224",
+        pretrained=False,
+        **cfg,
+        qkv_bias=True,
+        class_token=True,
+        global_pool="token",
+        drop_rate=0.0,
+        proj_drop_rate=0.0,
+        attn_drop_rate=0.0,
+        drop_path_rate=0.0,
+    )
+    with torch.no_grad():  # a non-zero head, so the logits check means something
+        nn.init.trunc_normal_(ref.head.weight, std=0.02)
+    d = cfg["embed_dim"]
+    ours = MultimodalModel(
+        {"image": ViTPatchTokenizer(d, cfg["img_size"], cfg["patch_size"], 3)},
+        build_backbone(d, cfg["depth"], cfg["num_heads"], qkv_bias=True, norm_eps=1e-6, act="gelu"),
+        {"cls": ClassifierHead(d, cfg["num_classes"], pool="cls")},
+    )
+    missing, unexpected = ours.load_state_dict(timm_to_mmformer(ref.state_dict()), strict=True)
+    assert not missing and not unexpected
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, cfg["img_size"], cfg["img_size"], generator=g)
+    y = torch.randint(0, cfg["num_classes"], (batch,), generator=g)
+    with torch.no_grad():
+        check_close("logits (eval)", ours.eval()(x, "image", "cls"), ref.eval()(x), 1e-4)
+    mm = train_step(ours, lambda: F.cross_entropy(ours(x, "image", "cls"), y), s)
+    peer = train_step(ref, lambda: F.cross_entropy(ref(x), y), s)
+    first_losses_match(mm, peer)
+    return [paired("vit", "timm", mm, peer, batch, "images/s", s)]
+
+
+# ---------------------------------------------------------------------------------------- (b) GPT-2
+def gpt2_to_mmformer(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """HF ``GPT2LMHeadModel`` names → mmformer; GPT-2's ``Conv1D`` stores ``(in, out)``: transposed."""
+    out = {
+        "tokenizers.text.embed.weight": sd["transformer.wte.weight"],
+        "tokenizers.text.pos_embed.weight": sd["transformer.wpe.weight"],
+        "backbone.norm.weight": sd["transformer.ln_f.weight"],
+        "backbone.norm.bias": sd["transformer.ln_f.bias"],
+        "heads.lm.head.weight": sd["transformer.wte.weight"],
+    }
+    names = {
+        "ln_1": ("norm1", False),
+        "ln_2": ("norm2", False),
+        "attn.c_attn": ("attn.qkv", True),
+        "attn.c_proj": ("attn.proj", True),
+        "mlp.c_fc": ("mlp.fc1", True),
+        "mlp.c_proj": ("mlp.fc2", True),
+    }
+    for i in range(n_layers):
+        for hf, (mm, conv1d) in names.items():
+            w = sd[f"transformer.h.{i}.{hf}.weight"]
+            out[f"backbone.blocks.{i}.{mm}.weight"] = w.t() if conv1d else w
+            out[f"backbone.blocks.{i}.{mm}.bias"] = sd[f"transformer.h.{i}.{hf}.bias"]
+    return out
+
+
+def bench_gpt2(s: Settings) -> list[Result]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mmformer.models import MultimodalModel, build_backbone
+    from mmformer.models.heads import LMHead
+    from mmformer.tokenizers import TextEmbedding
+
+    if s.quick:
+        d, layers, heads, vocab, ctx, batch, seq = 64, 2, 4, 1000, 128, 2, 32
+    else:
+        d, layers, heads, vocab, ctx, batch, seq = 768, 12, 12, 50257, 1024, 1, 256
+    print(
+        f"\n[gpt2] GPT-2 training step: d_model {d}, {layers} layers, {heads} heads, vocab {vocab}, "
+        f"batch {batch} × {seq} tokens, vs transformers GPT2LMHeadModel (sdpa)",
+        flush=True,
+    )
+    torch.manual_seed(0)
+    # GPT-2's GELU is the tanh approximation: transformers' "gelu_pytorch_tanh" is torch's fused kernel
+    # (its default "gelu_new" is the same formula written in Python ops, slower), mmformer's "gelu_tanh"
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=ctx,
+        n_embd=d,
+        n_layer=layers,
+        n_head=heads,
+        activation_function="gelu_pytorch_tanh",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+        attn_implementation="sdpa",
+    )
+    ref = GPT2LMHeadModel(config)
+    assert ref.config._attn_implementation == "sdpa"
+    emb = TextEmbedding(vocab, d, max_len=ctx)
+    head = LMHead(d, vocab)
+    head.tie_to(emb.embed)
+    ours = MultimodalModel(
+        {"text": emb},
+        build_backbone(d, layers, heads, causal=True, act="gelu_tanh", norm_eps=1e-5),
+        {"lm": head},
+    )
+    missing, unexpected = ours.load_state_dict(gpt2_to_mmformer(ref.state_dict(), layers), strict=True)
+    assert not missing and not unexpected
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        check_close("logits (eval)", ours.eval()(ids, "text", "lm"), ref.eval()(ids).logits, 1e-4)
+    mm = train_step(ours, lambda: lm_loss(ours(ids, "text", "lm"), ids), s)
+    peer = train_step(ref, lambda: lm_loss(ref(ids).logits, ids), s)
+    first_losses_match(mm, peer)
+    return [paired("gpt2", "HF", mm, peer, batch * seq, "tokens/s", s)]
+
+
+# ---------------------------------------------------------------------------------------- (c) Llama
+_SMOLLM2: dict = {}
+
+
+def smollm2():
+    """The real SmolLM2-135M-Instruct (GGUF) loaded by mmformer and, independently, by transformers
+    (as ``tests/models/test_pretrained_llama.py``); loaded once per process."""
+    if not _SMOLLM2:
+        import transformers
+
+        from mmformer.models.pretrained import load_pretrained, resolve_pretrained
+
+        t = time.perf_counter()
+        path = resolve_pretrained("smollm2-135m-instruct")
+        p = load_pretrained("smollm2-135m-instruct")
+        ref = transformers.LlamaForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        print(f"  loaded SmolLM2-135M-Instruct into both in {time.perf_counter() - t:.0f} s", flush=True)
+        _SMOLLM2.update(ours=p.model, tokenizer=p.tokenizer, config=p.config, ref=ref)
+    return _SMOLLM2
+
+
+def tiny_llama():
+    """A random 2-layer Llama (GQA, tied) in transformers, copied into mmformer (``--quick``)."""
+    import transformers
+
+    from mmformer.models.pretrained.llama import build_llama, hf_to_mmformer
+
+    config = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=100_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="sdpa"))
+    assert ref.config._attn_implementation == "sdpa"
+    ours = build_llama(config)
+    missing, unexpected = ours.load_state_dict(hf_to_mmformer(ref.state_dict(), config), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return ours, ref, config
+
+
+def bench_llama(s: Settings) -> list[Result]:
+    if s.quick:
+        ours, ref, config = tiny_llama()
+        batch, seq, what = 2, 32, "tiny random Llama"
+    else:
+        m = smollm2()
+        ours, ref, config = m["ours"], m["ref"], m["config"]
+        batch, seq, what = 1, 256, "SmolLM2-135M (real weights)"
+    print(
+        f"\n[llama] Llama training step: {what}, d_model {config['hidden_size']}, "
+        f"{config['num_hidden_layers']} layers, {config['num_attention_heads']}/"
+        f"{config['num_key_value_heads']} heads, batch {batch} × {seq} tokens, vs transformers "
+        f"LlamaForCausalLM (sdpa)",
+        flush=True,
+    )
+    vocab = config["vocab_size"]
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        check_close("logits (eval)", ours.eval()(ids, "text", "lm"), ref.eval()(ids).logits, 1e-4)
+    # train copies: the generation benchmark reads the loaded weights afterwards
+    import copy
+
+    ours, ref = copy.deepcopy(ours), copy.deepcopy(ref)
+    mm = train_step(ours, lambda: lm_loss(ours(ids, "text", "lm"), ids), s)
+    peer = train_step(ref, lambda: lm_loss(ref(ids).logits, ids), s)
+    first_losses_match(mm, peer)
+    return [paired("llama", "HF", mm, peer, batch * seq, "tokens/s", s)]
+
+
+# ---------------------------------------------------------------------------------------- (d) generation
+PROMPTS = [
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void",
+    "The capital of France is",
+    "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):\n    ",
+]
+
+
+def bench_generate(s: Settings) -> list[Result]:
+    from mmformer.models.generate import generate
+
+    m = smollm2()
+    ours, ref, tok = m["ours"].eval(), m["ref"].eval(), m["tokenizer"]
+    new = 8 if s.quick else 64
+    # exactly `new` tokens on both sides, whatever they are: no stop at eos. transformers fills a None
+    # eos_token_id from the model's own generation config, so it is cleared there too.
+    ref.generation_config.eos_token_id = None
+    gen_cfg = ref.generation_config.__class__.from_dict(ref.generation_config.to_dict())
+    gen_cfg.update(do_sample=False, max_new_tokens=new, min_new_tokens=0, eos_token_id=None)
+    gen_cfg.pad_token_id = m["config"]["eos_token_id"]  # transformers pads with eos; masked anyway
+    results = []
+    for batch in (1, 4):
+        seqs = [tok.encode(p) for p in PROMPTS[:batch]]
+        ids, valid = tok.pad_batch(seqs, side="left")  # mmformer pads with its own <|pad|> id
+        hf_ids = ids.masked_fill(~valid, gen_cfg.pad_token_id)
+        print(
+            f"\n[generate] greedy KV-cache decoding, SmolLM2-135M-Instruct, batch {batch} (prompts of "
+            f"{[len(q) for q in seqs]} tokens, left-padded), {new} new tokens, vs "
+            f"LlamaForCausalLM.generate(do_sample=False)",
+            flush=True,
+        )
+
+        def mm_call(ids=ids, valid=valid):
+            return generate(ours, "text", "lm", ids, valid, new)
+
+        def peer_call(hf_ids=hf_ids, valid=valid):
+            with torch.no_grad():
+                return ref.generate(input_ids=hf_ids, attention_mask=valid.long(), generation_config=gen_cfg)
+
+        got, want = mm_call(), peer_call()[:, ids.shape[1] :].tolist()
+        assert [len(g) for g in got] == [len(w) for w in want] == [new] * batch, "a side stopped early"
+        same = sum(a == b for a, b in zip(got, want))
+        agree = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            for a, b in zip(got, want)
+        ]
+        print(f"  check greedy ids: {same}/{batch} rows identical (first difference at {agree})", flush=True)
+        if same != batch:
+            raise AssertionError(f"greedy generations differ: rows agree for {agree} tokens of {new}")
+        results.append(paired(f"generate b{batch}", "HF", mm_call, peer_call, batch * new, "new tokens/s", s))
+    return results
+
+
+# ---------------------------------------------------------------------------------------- (e) DiT
+# The reference model: facebookresearch/DiT models.py (Peebles & Xie 2023), as written there.
+def dit_modulate(x, shift, scale):
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class RefTimestepEmbedder(nn.Module):
+    def __init__(self, hidden_size, frequency_embedding_size=256):
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size, bias=True),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size, bias=True),
+        )
+        self.frequency_embedding_size = frequency_embedding_size
+
+    @staticmethod
+    def timestep_embedding(t, dim, max_period=10000):
+        half = dim // 2
+        freqs = torch.exp(
+            -math.log(max_period) * torch.arange(start=0, end=half, dtype=torch.float32) / half
+        ).to(device=t.device)
+        args = t[:, None].float() * freqs[None]
+        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if dim % 2:
+            embedding = torch.cat([embedding, torch.zeros_like(embedding[:, :1])], dim=-1)
+        return embedding
+
+    def forward(self, t):
+        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size))
+
+
+class RefLabelEmbedder(nn.Module):
+    def __init__(self, num_classes, hidden_size, dropout_prob):
+        super().__init__()
+        use_cfg_embedding = dropout_prob > 0
+        self.embedding_table = nn.Embedding(num_classes + use_cfg_embedding, hidden_size)
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+
+    def token_drop(self, labels, force_drop_ids=None):
+        if force_drop_ids is None:
+            drop_ids = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+        else:
+            drop_ids = force_drop_ids == 1
+        return torch.where(drop_ids, self.num_classes, labels)
+
+    def forward(self, labels, train, force_drop_ids=None):
+        use_dropout = self.dropout_prob > 0
+        if (train and use_dropout) or (force_drop_ids is not None):
+            labels = self.token_drop(labels, force_drop_ids)
+        return self.embedding_table(labels)
+
+
+class RefDiTBlock(nn.Module):
+    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0, **block_kwargs):
+        from timm.models.vision_transformer import Attention, Mlp
+
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True, **block_kwargs)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        mlp_hidden_dim = int(hidden_size * mlp_ratio)
+        approx_gelu = lambda: nn.GELU(approximate="tanh")  # noqa: E731
+        self.mlp = Mlp(in_features=hidden_size, hidden_features=mlp_hidden_dim, act_layer=approx_gelu, drop=0)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(
+            6, dim=1
+        )
+        x = x + gate_msa.unsqueeze(1) * self.attn(dit_modulate(self.norm1(x), shift_msa, scale_msa))
+        x = x + gate_mlp.unsqueeze(1) * self.mlp(dit_modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+
+class RefFinalLayer(nn.Module):
+    def __init__(self, hidden_size, patch_size, out_channels):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        x = dit_modulate(self.norm_final(x), shift, scale)
+        return self.linear(x)
+
+
+def get_2d_sincos_pos_embed(embed_dim, grid_size):
+    grid_h = np.arange(grid_size, dtype=np.float32)
+    grid_w = np.arange(grid_size, dtype=np.float32)
+    grid = np.meshgrid(grid_w, grid_h)
+    grid = np.stack(grid, axis=0).reshape([2, 1, grid_size, grid_size])
+    emb_h = get_1d_sincos_pos_embed_from_grid(embed_dim // 2, grid[0])
+    emb_w = get_1d_sincos_pos_embed_from_grid(embed_dim // 2, grid[1])
+    return np.concatenate([emb_h, emb_w], axis=1)
+
+
+def get_1d_sincos_pos_embed_from_grid(embed_dim, pos):
+    omega = np.arange(embed_dim // 2, dtype=np.float64)
+    omega /= embed_dim / 2.0
+    omega = 1.0 / 10000**omega
+    out = np.einsum("m,d->md", pos.reshape(-1), omega)
+    return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+
+class RefDiT(nn.Module):
+    def __init__(
+        self,
+        input_size=32,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=1152,
+        depth=28,
+        num_heads=16,
+        mlp_ratio=4.0,
+        class_dropout_prob=0.1,
+        num_classes=1000,
+        learn_sigma=True,
+    ):
+        from timm.models.vision_transformer import PatchEmbed
+
+        super().__init__()
+        self.learn_sigma = learn_sigma
+        self.in_channels = in_channels
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.patch_size = patch_size
+        self.num_heads = num_heads
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        self.t_embedder = RefTimestepEmbedder(hidden_size)
+        self.y_embedder = RefLabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        num_patches = self.x_embedder.num_patches
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        self.blocks = nn.ModuleList(
+            [RefDiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio) for _ in range(depth)]
+        )
+        self.final_layer = RefFinalLayer(hidden_size, patch_size, self.out_channels)
+        pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], int(self.x_embedder.num_patches**0.5))
+        self.pos_embed.data.copy_(torch.from_numpy(pos_embed).float().unsqueeze(0))
+
+    def unpatchify(self, x):
+        c = self.out_channels
+        p = self.x_embedder.patch_size[0]
+        h = w = int(x.shape[1] ** 0.5)
+        assert h * w == x.shape[1]
+        x = x.reshape(shape=(x.shape[0], h, w, p, p, c))
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(shape=(x.shape[0], c, h * p, h * p))
+
+    def forward(self, x, t, y):
+        x = self.x_embedder(x) + self.pos_embed
+        t = self.t_embedder(t)
+        y = self.y_embedder(y, self.training)
+        c = t + y
+        for block in self.blocks:
+            x = block(x, c)
+        x = self.final_layer(x, c)
+        return self.unpatchify(x)
+
+
+def dit_to_mmformer(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in sd.items():
+        if k == "pos_embed":
+            continue  # a fixed buffer in mmformer (the same sin-cos values; checked below)
+        if k.startswith(("x_embedder.", "t_embedder.", "y_embedder.")):
+            out[f"tokenizers.x.{k}"] = v
+        elif k.startswith("blocks."):
+            out[f"backbone.{k}"] = v
+        else:
+            out[f"heads.eps.{k.removeprefix('final_layer.')}"] = v
+    return out
+
+
+def bench_dit(s: Settings) -> list[Result]:
+    from mmformer.models import MultimodalModel, build_backbone
+    from mmformer.models.heads import DiTFinalLayer
+    from mmformer.tokenizers.diffusion import DiTTokenizer
+
+    if s.quick:
+        size, p, d, depth, heads, classes, batch = 8, 2, 64, 2, 4, 10, 4
+    else:
+        size, p, d, depth, heads, classes, batch = 32, 2, 384, 12, 6, 1000, 4
+    c_in = 4
+    print(
+        f"\n[dit] DiT-S/2-style training step: latent {size}×{size}×{c_in}, patch {p}, d_model {d}, "
+        f"{depth} layers, {heads} heads, {classes} classes, learned sigma, batch {batch}, vs the DiT "
+        f"reference (timm blocks)",
+        flush=True,
+    )
+    torch.manual_seed(0)
+    ref = RefDiT(size, p, c_in, d, depth, heads, 4.0, 0.1, classes, learn_sigma=True)
+    with torch.no_grad():  # random everywhere (adaLN-Zero would make every block the identity)
+        for n, w in ref.named_parameters():
+            if n != "pos_embed":
+                w.normal_(0, 0.02)
+    tok = DiTTokenizer(d, size, p, c_in, num_classes=classes, class_dropout=0.1)
+    backbone = build_backbone(d, depth, heads, block="adaln", final_norm=False, act="gelu_tanh")
+    ours = MultimodalModel({"x": tok}, backbone, {"eps": DiTFinalLayer(d, p, tok.grid_size, 2 * c_in)})
+    missing, unexpected = ours.load_state_dict(dit_to_mmformer(ref.state_dict()), strict=True)
+    assert not missing and not unexpected
+    check_close("sin-cos positions", tok.pos_embed, ref.pos_embed, 1e-6)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, c_in, size, size, generator=g)
+    t = torch.randint(0, 1000, (batch,), generator=g)
+    y = torch.randint(0, classes, (batch,), generator=g)
+    target = torch.randn(batch, 2 * c_in, size, size, generator=g)
+    with torch.no_grad():
+        check_close("output (eval)", ours.eval()(x, "x", "eps", t=t, labels=y), ref.eval()(x, t, y), 1e-4)
+    mm = train_step(ours, lambda: F.mse_loss(ours(x, "x", "eps", t=t, labels=y), target), s)
+    peer = train_step(ref, lambda: F.mse_loss(ref(x, t, y), target), s)
+    # the first step's loss is not compared: label dropout draws differently on the two sides
+    return [paired("dit", "DiT ref", mm, peer, batch, "samples/s", s)]
+
+
+# ---------------------------------------------------------------------------------------- main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few pairs: checks the script works")
+    p.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {BENCHMARKS}")
+    p.add_argument("--pairs", type=int, default=None, help="timed pairs (default 12; 3 with --quick)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed pairs first (default 2; 1 with --quick)")
+    p.add_argument("--optimizer", choices=("default", "foreach", "fused"), default="default")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    only = [b.strip() for b in a.only.split(",") if b.strip()]
+    unknown = set(only) - set(BENCHMARKS)
+    if unknown:
+        p.error(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}")
+    torch.set_num_threads(a.threads)
+    s = Settings(
+        quick=a.quick,
+        pairs=a.pairs or (3 if a.quick else 12),
+        warmup=a.warmup if a.warmup is not None else (1 if a.quick else 2),
+        optimizer=a.optimizer,
+    )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, AdamW ({s.optimizer}), "
+        f"{s.pairs} pairs after {s.warmup} warm-up",
+        flush=True,
+    )
+    start = time.perf_counter()
+    results: list[Result] = []
+    fns = {
+        "vit": bench_vit,
+        "gpt2": bench_gpt2,
+        "llama": bench_llama,
+        "generate": bench_generate,
+        "dit": bench_dit,
+    }
+    for name in BENCHMARKS:
+        if name in only:
+            torch.manual_seed(0)
+            results += fns[name](s)
+    print(f"\nsummary ({time.perf_counter() - start:.0f} s)")
+    print(
+        f"{'benchmark':12} | {'mmformer':>10} | {'peer':>10} | {'peer / mm':>9} | {'IQR':>13} | throughput mm / peer"
+    )
+    for r in results:
+        print(
+            f"{r.name:12} | {r.mm_s * 1e3:8.1f}ms | {r.peer_s * 1e3:8.1f}ms | {r.ratio:9.3f} | "
+            f"{r.q1:.3f}–{r.q3:.3f} | {r.units / r.mm_s:.1f} / {r.units / r.peer_s:.1f} {r.unit} ({r.peer})"
+        )
+
+
+if __name__ == "__main__":
+    main()
