@@ -73,7 +73,8 @@ class KVCache:
     """Keys and values of past tokens, per layer, plus the per-token metadata masks need.
 
     ``Backbone.forward(tokens, cache=cache)`` appends the new tokens; the cache never supplies positions
-    (the caller's Tokens do, counting on from the cache length).
+    (the caller's Tokens do, counting on from the cache length). Keys and values of padding are stored
+    zeroed (``Attention`` zeroes them as they enter), so later steps need not zero the cache again.
     """
 
     def __init__(self) -> None:
@@ -116,6 +117,12 @@ class KVCache:
         cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)
         self.valid, self.document = cat(self.valid, valid), cat(self.document, document)
         self.positions = cat(self.positions, positions)
+
+
+def _zero_padding(k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """``k, v (B, Hkv, N, Dh)`` with the positions where ``valid (B, N)`` is False set to 0."""
+    pad = ~valid[:, None, :, None]  # (B, 1, N, 1)
+    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
 
 
 def _decoding_mask(mask: MaskSpec, n_k: int) -> MaskSpec:
@@ -276,9 +283,13 @@ class Attention(nn.Module):
         if inputs.rope is not None and not self.cross:
             cos, sin = inputs.rope
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        if cache is not None and not self.cross:
+        cached = cache is not None and not self.cross
+        if cached:
+            valid = inputs.mask.valid  # (B, Nk): the cached keys' validity, then the new ones'
+            if valid is not None:  # zero the new padding once, as it enters the cache (see _attend)
+                k, v = _zero_padding(k, v, valid[:, valid.shape[1] - k.shape[2] :])
             k, v = cache.update(layer, k, v)  # (B, Hkv, Nk, Dh)
-        out = self._attend(q, k, v, inputs)  # (B, H, Nq, Dh)
+        out = self._attend(q, k, v, inputs, padding_zeroed=cached)  # (B, H, Nq, Dh)
         out = out.transpose(1, 2).reshape(B, Nq, self.n_heads * self.head_dim)
         return self.proj_drop(self.proj(out))
 
@@ -298,11 +309,15 @@ class Attention(nn.Module):
             return "flex"
         return "sdpa"
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs) -> Tensor:
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, padding_zeroed: bool = False
+    ) -> Tensor:
         mask, Nq, Nk = inputs.mask, q.shape[2], k.shape[2]
-        if mask.valid is not None:  # padded keys/values hold anything (even NaN): zero them, 0·NaN is NaN
-            pad = ~mask.valid[:, None, :, None]  # (B, 1, Nk, 1)
-            k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        # padded keys/values hold anything (even NaN): zero them, 0·NaN is NaN. From a KV cache they are
+        # zeroed already: each token's padding was zeroed when it entered the cache (its validity never
+        # changes afterwards), so decoding does not copy the whole cache again in every layer and step
+        if mask.valid is not None and not padding_zeroed:
+            k, v = _zero_padding(k, v, mask.valid)
         kernel = self.resolve_kernel(q, inputs)
         dropout_p = self.attn_drop if self.training else 0.0
         if kernel == "performer":
@@ -336,7 +351,8 @@ class Attention(nn.Module):
                 is_causal=fast_causal,
                 enable_gqa=self.n_kv_heads != self.n_heads,
             )
-        if dense is not None:  # sdpa's fully masked rows are backend-dependent (NaN or mean): make them 0
+        # sdpa's fully masked rows are backend-dependent (NaN or mean): make them 0
+        if empty_rows is not None:
             out = out.masked_fill(empty_rows, 0.0)
         return out
 
@@ -345,13 +361,16 @@ class Attention(nn.Module):
         inputs: AttentionInputs, mask: MaskSpec, Nq: int, Nk: int, device: torch.device
     ) -> tuple[Tensor | None, Tensor | None]:
         """``mask`` as a dense bool ``(B or 1, 1, Nq, Nk)`` tensor and its fully masked query rows
-        ``(B or 1, 1, Nq, 1)``; ``(None, None)`` when it allows everything. Built once per forward (every
-        layer of a backbone shares ``inputs`` and the shapes), not once per layer."""
+        ``(B or 1, 1, Nq, 1)`` (None on CPU when there are none); ``(None, None)`` when it allows
+        everything. Built once per forward (every layer of a backbone shares ``inputs`` and the shapes),
+        not once per layer."""
         cached = inputs.dense_mask
         if cached is not None and cached[0] is inputs.mask and cached[1:3] == (Nq, Nk):
             return cached[3], cached[4]
         dense = None if mask.is_full else mask.dense(Nq, Nk, device)
         empty_rows = None if dense is None else ~dense.any(dim=-1, keepdim=True)
+        if empty_rows is not None and empty_rows.device.type == "cpu" and not bool(empty_rows.any()):
+            empty_rows = None  # no query row is fully masked (the usual case): nothing to zero in any layer
         inputs.dense_mask = (inputs.mask, Nq, Nk, dense, empty_rows)
         return dense, empty_rows
 
