@@ -276,24 +276,24 @@ def build_bpe(cfg: BPEConfig, d_model: int, vocab_size: int) -> TextEmbedding:
     return TextEmbedding(vocab_size, d_model, cfg.max_len)
 
 
-@register("head", "lm", LMHeadConfig)
-def build_lm_head(cfg: LMHeadConfig, d_model: int, tokenizer) -> LMHead:
+def _vocabulary_head(cls, kind: str, cfg, d_model: int, tokenizer):
+    """An ``lm`` / ``mlm`` head over the text tokenizer's vocabulary, tied to its embedding when asked."""
     if not isinstance(tokenizer, TextEmbedding):
-        raise RecipeError("an 'lm' head needs a task whose tokenizer is a text (bpe) tokenizer")
-    head = LMHead(d_model, tokenizer.vocab_size)
+        raise RecipeError(f"an '{kind}' head needs a task whose tokenizer is a text tokenizer")
+    head = cls(d_model, tokenizer.vocab_size)
     if cfg.tie_weights:
         head.tie_to(tokenizer.embed)
     return head
+
+
+@register("head", "lm", LMHeadConfig)
+def build_lm_head(cfg: LMHeadConfig, d_model: int, tokenizer) -> LMHead:
+    return _vocabulary_head(LMHead, "lm", cfg, d_model, tokenizer)
 
 
 @register("head", "mlm", MLMHeadConfig)
 def build_mlm_head(cfg: MLMHeadConfig, d_model: int, tokenizer) -> MLMHead:
-    if not isinstance(tokenizer, TextEmbedding):
-        raise RecipeError("an 'mlm' head needs a task whose tokenizer is a text tokenizer")
-    head = MLMHead(d_model, tokenizer.vocab_size)
-    if cfg.tie_weights:
-        head.tie_to(tokenizer.embed)
-    return head
+    return _vocabulary_head(MLMHead, "mlm", cfg, d_model, tokenizer)
 
 
 @register("task", "masked_lm", MaskedLMTaskConfig)
