@@ -46,6 +46,7 @@ from .config import (
     ProjectorHeadConfig,
     RecipeConfig,
     RecipeError,
+    Seq2SeqTaskConfig,
     ShardsDataConfig,
     TextClassificationDataConfig,
     TextDataConfig,
@@ -65,6 +66,7 @@ from .data.text import corpus_split, text_data
 from .data.text_classification import text_classification_data
 from .models import Backbone, ClassifierHead, MultimodalModel, build_backbone
 from .models.diffusion import GaussianDiffusion, RectifiedFlow, beta_schedule
+from .models.encoder_decoder import EncoderDecoder
 from .models.heads import DiTFinalLayer, LMHead, MLMHead, ProjectionHead, ProjectorHead
 from .models.prefix_lm import PrefixLM
 from .models.pretrained import (
@@ -86,6 +88,7 @@ from .tasks.diffusion import DiffusionTask
 from .tasks.language_model import CausalLMTask
 from .tasks.masked_lm import MaskedLMTask
 from .tasks.prefix_lm import PrefixLMTask
+from .tasks.seq2seq import Seq2SeqTask
 from .tokenizers import ViTPatchTokenizer
 from .tokenizers.audio import (
     ASTPatchTokenizer,
@@ -596,6 +599,55 @@ def build_prefix_lm(cfg: PrefixLMTaskConfig, recipe: RecipeConfig) -> PrefixLMTa
     )
 
 
+@register("task", "seq2seq", Seq2SeqTaskConfig)
+def build_seq2seq(cfg: Seq2SeqTaskConfig, recipe: RecipeConfig) -> Seq2SeqTask:
+    m = recipe.model
+    _check_captions(cfg, recipe)
+    if m.tokenizers[cfg.tokenizer].kind == "dit":
+        raise RecipeError(f"tokenizer {cfg.tokenizer!r} cannot be a source: it returns a conditioning vector")
+    if cfg.tokenizer not in m.towers:
+        raise RecipeError(
+            f"a seq2seq task encodes its source with that tokenizer's own tower: add model.towers.{cfg.tokenizer} "
+            "(the encoder; the shared model.backbone is the decoder)"
+        )
+    if cfg.caption_tokenizer in m.towers:
+        raise RecipeError(
+            f"the target text of a seq2seq task runs through the decoder (the shared backbone): drop "
+            f"model.towers.{cfg.caption_tokenizer}"
+        )
+    if m.heads[cfg.caption_head].kind not in ("lm", "pretrained"):
+        raise RecipeError(
+            f"caption_head {cfg.caption_head!r} is of kind {m.heads[cfg.caption_head].kind}; a seq2seq task "
+            "needs an LM head (kind: lm or pretrained)"
+        )
+    b = m.backbone
+    if b.kind != "pretrained":
+        if b.block != "cross" or not b.causal:
+            raise RecipeError(
+                "a seq2seq task's decoder is the shared backbone: set model.backbone.block: cross and causal: true"
+            )
+        tower = m.towers[cfg.tokenizer]
+        d_tower, d_context = getattr(tower, "d_model", None), b.d_context or b.d_model
+        if tower.kind != "pretrained" and d_tower != d_context:
+            raise RecipeError(
+                f"model.towers.{cfg.tokenizer} is {d_tower} wide but the decoder's cross-attention reads "
+                f"{d_context}: set model.backbone.d_context: {d_tower}"
+            )
+    data_len = getattr(cfg.data, "max_len", None)
+    metric = cfg.main_metric or (
+        "wer" if tokenizer_modality(m.tokenizers[cfg.tokenizer]) == "audio" else "exact_match"
+    )
+    return Seq2SeqTask(
+        EncoderDecoder(cfg.tokenizer, cfg.caption_tokenizer, cfg.caption_head),
+        tokenizer_modality(m.tokenizers[cfg.tokenizer]),
+        text_tokenizer(recipe, cfg.caption_tokenizer),
+        cfg.max_new_tokens or max(1, (data_len or 48) - 1),
+        cfg.beam_size,
+        cfg.length_penalty,
+        (metric, "max" if metric == "exact_match" else "min"),
+    )
+
+
 @register("dataset", "image_folder", ImageFolderDataConfig)
 def build_image_folder(cfg: ImageFolderDataConfig, task, recipe: RecipeConfig):
     return image_folder_data(
@@ -609,7 +661,7 @@ def build_image_caption(cfg: ImageCaptionDataConfig, task, recipe: RecipeConfig)
     if name is None:
         raise RecipeError(
             "image_caption data is read by a task with a caption_tokenizer (kind: diffusion, contrastive "
-            "or prefix_lm)"
+            "prefix_lm or seq2seq)"
         )
     return image_caption_data(cfg, recipe.model.tokenizers[task.tokenizer], text_tokenizer(recipe, name))
 
@@ -619,7 +671,7 @@ def build_audio_caption(cfg: AudioCaptionDataConfig, task, recipe: RecipeConfig)
     name = getattr(task, "caption_tokenizer", None)
     if name is None:
         raise RecipeError(
-            "audio_caption data is read by a task with a caption_tokenizer (kind: contrastive or prefix_lm)"
+            "audio_caption data is read by a task with a caption_tokenizer (kind: contrastive, prefix_lm or seq2seq)"
         )
     tok = recipe.model.tokenizers[task.tokenizer]
     if tokenizer_modality(tok) != "audio":

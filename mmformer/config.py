@@ -41,6 +41,7 @@ class BackboneConfig:
     mlp_hidden: Optional[int] = None  # overrides mlp_ratio · d_model
     block: str = "pre"  # pre | post (BERT) | cross (decoder with cross-attention) | adaln (DiT) | conformer
     conv_kernel: int = 31  # conformer: depthwise convolution width, in tokens (odd)
+    d_context: Optional[int] = None  # cross: width of the encoder output it attends to (default d_model)
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-6
     act: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
@@ -745,6 +746,34 @@ class PrefixLMTaskConfig:
     main_metric: Optional[str] = (
         None  # wer | cer | exact_match; default: wer for audio, exact_match for images
     )
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _positive(self, "beam_size", "max_new_tokens")
+        if self.main_metric not in (None, "wer", "cer", "exact_match"):
+            raise ValueError(f"main_metric={self.main_metric!r}; choose wer, cer or exact_match")
+        if self.weight < 0:
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
+
+
+@dataclass
+class Seq2SeqTaskConfig:
+    """``tasks.<name>`` of kind ``seq2seq``: an encoder–decoder (``mmformer.models.encoder_decoder``) —
+    the source (``tokenizer``: audio, image or text) is encoded by its own tower (``model.towers``), the
+    shared backbone is the decoder (``block: cross``, ``causal: true``) that generates the target text
+    (``caption_tokenizer``) read out by ``caption_head`` (an LM head). Teacher forcing in training;
+    validation decodes with the KV cache (greedy with ``beam_size: 1``, else beam search) and reports
+    ``wer``, ``cer``, ``exact_match``, ``loss`` and ``ppl`` as ``prefix_lm`` does."""
+
+    kind: str = "seq2seq"
+    weight: float = 1.0
+    tokenizer: str = MISSING  # the source's tokenizer; model.towers.<it> is the encoder
+    caption_tokenizer: str = MISSING  # the target text's tokenizer
+    caption_head: str = MISSING  # its LM head
+    beam_size: int = 1  # 1 = greedy decoding
+    length_penalty: float = 1.0
+    max_new_tokens: Optional[int] = None  # default: data.max_len - 1
+    main_metric: Optional[str] = None  # wer | cer | exact_match; default: wer for audio, else exact_match
     data: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

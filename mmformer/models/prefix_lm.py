@@ -11,14 +11,8 @@ themselves; padding is never attended. Positions for the backbone (RoPE / ALiBi)
 of the whole sequence (text continues after the prefix); the text tokenizer's own learned positions
 (``max_len``) count from the text's first token, so a caption is embedded the same with any prefix.
 
-Decoding: greedy and beam search (``generate``) with the KV cache; the prefix and ``bos`` are
-prefilled in one forward. Beam search keeps ``beam_size`` live hypotheses per row; a hypothesis ending
-in ``eos`` among the best ``beam_size`` candidates of a step is finished with score
-``sum log p / length ** length_penalty`` (length = generated tokens, ``eos`` included; Wu et al. 2016
-use a similar normalisation); a row stops once it has ``beam_size`` finished hypotheses and its best
-live one, normalised at its current length, cannot beat the worst of them (exact for
-``length_penalty = 0``, as Hugging Face's ``early_stopping=False``); at ``max_new_tokens`` the live
-hypotheses are finished as they are.
+Decoding: greedy and beam search (``generate``, ``mmformer.models.decoding``) with the KV cache; the
+prefix and ``bos`` are prefilled in one forward.
 
 Shape legend: B batch, Np prefix tokens, L text tokens, D backbone width, V vocabulary, K beam size.
 """
@@ -32,6 +26,7 @@ from torch import Tensor
 
 from ..nn.attention import KVCache
 from ..nn.tokens import Tokens, cat_tokens
+from .decoding import beam_search, greedy
 from .model import MultimodalModel
 
 
@@ -163,83 +158,7 @@ class PrefixLM:
         cache = KVCache()
         hidden = model.backbone(seq, cache=cache, span=span)
         logits = model.heads[self.caption_head](hidden[:, -1:], text)[:, -1]  # (B, V)
+        step = lambda ids, t: self._step(model, cache, ids, t)  # noqa: E731
         if beam_size == 1:
-            return self._greedy(model, cache, logits, eos_id, max_new_tokens)
-        return self._beam(model, cache, logits, eos_id, max_new_tokens, beam_size, length_penalty)
-
-    def _greedy(self, model, cache: KVCache, logits: Tensor, eos_id, max_new: int) -> list[list[int]]:
-        B = logits.shape[0]
-        out: list[list[int]] = [[] for _ in range(B)]
-        done = torch.zeros(B, dtype=torch.bool, device=logits.device)
-        for step in range(max_new):
-            nxt = logits.argmax(dim=-1)
-            for i, t in enumerate(nxt.tolist()):
-                if not done[i] and t != eos_id:
-                    out[i].append(t)
-            if eos_id is not None:
-                done |= nxt == eos_id
-            if bool(done.all()) or step == max_new - 1:  # no forward for logits nobody reads
-                break
-            logits = self._step(model, cache, nxt[:, None], step + 1)
-        return out
-
-    def _beam(
-        self, model, cache: KVCache, logits: Tensor, eos_id, max_new: int, K: int, length_penalty: float
-    ) -> list[list[int]]:
-        B, V = logits.shape
-        dev = logits.device
-        norm = lambda score, n: score / max(n, 1) ** length_penalty
-        cache.reorder(torch.arange(B, device=dev).repeat_interleave(K))
-        logp = logits.float().log_softmax(-1).repeat_interleave(K, 0)  # (B·K, V)
-        scores = torch.full((B, K), -torch.inf, device=dev)
-        scores[:, 0] = 0.0  # K identical beams: only the first expands at the first step
-        seqs: list[list[list[int]]] = [[[] for _ in range(K)] for _ in range(B)]
-        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-        done = [False] * B
-        for step in range(max_new):
-            cand = (scores.unsqueeze(-1) + logp.view(B, K, V)).view(B, K * V)
-            top_s, top_i = cand.topk(min(2 * K, K * V), dim=-1)
-            parents = torch.zeros(B, K, dtype=torch.long)
-            tokens = torch.full((B, K), eos_id if eos_id is not None else 0, dtype=torch.long)
-            new_scores = torch.full((B, K), -torch.inf)
-            new_seqs: list[list[list[int]]] = [[[] for _ in range(K)] for _ in range(B)]
-            for b in range(B):
-                if done[b]:
-                    continue
-                n = 0
-                for rank, (s, i) in enumerate(zip(top_s[b].tolist(), top_i[b].tolist())):
-                    if s == -torch.inf:
-                        break
-                    parent, tok = divmod(i, V)
-                    if tok == eos_id:
-                        if rank < K:  # a hypothesis that would have been among the K kept
-                            finished[b].append((norm(s, step + 1), seqs[b][parent]))
-                        continue
-                    parents[b, n], tokens[b, n], new_scores[b, n] = parent, tok, s
-                    new_seqs[b][n] = seqs[b][parent] + [tok]
-                    n += 1
-                    if n == K:
-                        break
-                finished[b] = sorted(finished[b], key=lambda f: -f[0])[:K]
-                if n == 0 or (
-                    len(finished[b]) >= K and norm(float(new_scores[b, 0]), step + 1) <= finished[b][-1][0]
-                ):
-                    done[b] = True
-            seqs, scores = new_seqs, new_scores.to(dev)
-            if all(done) or step == max_new - 1:
-                break
-            index = (torch.arange(B).unsqueeze(1) * K + parents).view(-1).to(dev)
-            cache.reorder(index)
-            logp = self._step(model, cache, tokens.view(-1, 1).to(dev), step + 1).float().log_softmax(-1)
-        out = []
-        for b in range(B):
-            pool = list(finished[b])
-            if not done[b]:  # out of steps: the live hypotheses end here
-                length = len(seqs[b][0])
-                pool += [
-                    (norm(float(scores[b, k]), length), seqs[b][k])
-                    for k in range(K)
-                    if scores[b, k] > -torch.inf
-                ]
-            out.append(max(pool, key=lambda f: f[0])[1] if pool else [])
-        return out
+            return greedy(step, logits, eos_id, max_new_tokens)
+        return beam_search(step, cache, logits, eos_id, max_new_tokens, beam_size, length_penalty)

@@ -86,6 +86,9 @@ class KVCache:
         self.span_open: Tensor | None = (
             None  # (B,) bool: the last cached token is inside a bidirectional span
         )
+        # cross-attention keys/values of the context (encoder–decoder): computed at the first step and
+        # reused by every later one, since the context does not change while decoding
+        self.cross: dict[int, tuple[Tensor, Tensor]] = {}  # layer → (B, Hkv, M, Dh) each
 
     @property
     def length(self) -> int:
@@ -111,6 +114,7 @@ class KVCache:
             pick(self.positions),
         )
         self.span_open = pick(self.span_open)
+        self.cross = {layer: (pick(k), pick(v)) for layer, (k, v) in self.cross.items()}
 
     def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:
         """Append the new tokens' metadata (called once per forward, after every layer ran)."""
@@ -245,16 +249,21 @@ class Attention(nn.Module):
         self._kernel = kernel
 
     # ------------------------------------------------------------------ projections
-    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def _project(
+        self, x: Tensor, context: Tensor | None, cache: KVCache | None = None, layer: int = 0
+    ) -> tuple[Tensor, Tensor, Tensor]:
         B, N, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         if self.cross:
             q = self.q(x).view(B, N, H, Dh).transpose(1, 2)  # (B, H, Nq, Dh)
+            if cache is not None and layer in cache.cross:  # the context's keys/values, computed once
+                k, v = cache.cross[layer]
+                return self.q_norm(q), k, v
             M = context.shape[1]
             k, v = self.kv(context).view(B, M, 2 * Hkv, Dh).transpose(1, 2).split([Hkv, Hkv], dim=1)
-        else:
-            qkv = self.qkv(x).view(B, N, H + 2 * Hkv, Dh).transpose(1, 2)  # (B, H + 2·Hkv, N, Dh)
-            q, k, v = qkv.split([H, Hkv, Hkv], dim=1)
+            return self.q_norm(q), self.k_norm(k), v
+        qkv = self.qkv(x).view(B, N, H + 2 * Hkv, Dh).transpose(1, 2)  # (B, H + 2·Hkv, N, Dh)
+        q, k, v = qkv.split([H, Hkv, Hkv], dim=1)
         return self.q_norm(q), self.k_norm(k), v
 
     def forward(
@@ -269,8 +278,9 @@ class Attention(nn.Module):
 
         ``inputs``: mask, RoPE angles and ALiBi for this forward (or just a ``MaskSpec``).
         ``context (B, Nk, D_ctx)``: the cross-attention source.
-        ``cache``: append this forward's keys/values to ``layer``'s cache and attend over all of them
-        (self-attention only).
+        ``cache``: self-attention appends this forward's keys/values to ``layer``'s cache and attends
+        over all of them; cross-attention projects ``context`` once, at the first call for ``layer``,
+        and reuses those keys/values afterwards (``cache.cross``; the context must not change).
         """
         if inputs is None or isinstance(inputs, MaskSpec):  # a bare mask is enough for most uses
             inputs = AttentionInputs(mask=inputs or MaskSpec())
@@ -279,12 +289,17 @@ class Attention(nn.Module):
                 raise ValueError("cross-attention needs a context")
             inputs = AttentionInputs(mask=inputs.context_mask)  # no causality, RoPE or ALiBi across sequences
         B, Nq, _ = x.shape
-        q, k, v = self._project(x, context)
+        q, k, v = self._project(x, context, cache, layer)
         if inputs.rope is not None and not self.cross:
             cos, sin = inputs.rope
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        cached = cache is not None and not self.cross
-        if cached:
+        cached = cache is not None
+        if cached and self.cross:
+            if layer not in cache.cross:  # first step: zero the context's padding once, then keep them
+                if inputs.mask.valid is not None:
+                    k, v = _zero_padding(k, v, inputs.mask.valid)
+                cache.cross[layer] = (k, v)
+        elif cached:
             valid = inputs.mask.valid  # (B, Nk): the cached keys' validity, then the new ones'
             if valid is not None:  # zero the new padding once, as it enters the cache (see _attend)
                 k, v = _zero_padding(k, v, valid[:, valid.shape[1] - k.shape[2] :])

@@ -155,7 +155,9 @@ class CrossAttentionBlock(Block):
     ) -> Tensor:
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), inputs, cache=cache, layer=layer)))
         x = x + self.drop_path_cross(
-            self.ls_cross(self.cross_attn(self.norm_cross(x), inputs, context=context))
+            self.ls_cross(
+                self.cross_attn(self.norm_cross(x), inputs, context=context, cache=cache, layer=layer)
+            )
         )
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x

@@ -81,3 +81,69 @@ def test_reader_refuses_a_file_that_is_not_ctranslate2(tmp_path):
     bad.write_bytes(b"\xff\xff\xff\x7f" + b"\0" * 16)
     with pytest.raises(ValueError, match="not a CTranslate2 model"):
         read_ctranslate2(bad)
+
+
+# ----------------------------------------------------------------------------- the whole model
+SAMPLE = [  # real recordings: a single word, short prompts, and one long enough to hit the token limit
+    "digits/7.wav",
+    "agent-loggedoff.wav",
+    "call-fwd-unconditional.wav",
+    "conf-usermenu.wav",
+]
+
+
+@pytest.fixture(scope="module")
+def whisper_full():
+    from mmformer.models.pretrained.whisper import load_whisper
+
+    model, tok, config = load_whisper(resolve_pretrained("whisper-tiny.en"))
+    return model.eval(), tok, config
+
+
+def test_full_model_parts_and_decoding_rules(whisper_full):
+    from mmformer.models.pretrained.whisper import whisper_prompt
+
+    model, tok, config = whisper_full
+    assert model.heads["lm"].head.weight is model.tokenizers["text"].embed.weight  # tied, as Whisper
+    assert len(model.backbone.blocks) == 4 and model.backbone.causal
+    assert whisper_prompt(tok, config) == [50257, 50362]  # <|startoftranscript|> <|notimestamps|>
+    assert tok.eos_id == 50256 and config["suppress_ids_begin"] == [220, 50256]
+    assert len(config["suppress_ids"]) == 90
+
+
+def test_transcripts_equal_ctranslate2(whisper_full):
+    """Greedy decoding of real recordings gives CTranslate2's token ids exactly (faster-whisper's engine,
+    its default suppression rules: ``suppress_tokens=[-1]``, ``suppress_blank=True``)."""
+    import ctranslate2
+
+    from mmformer.models.pretrained.whisper import WHISPER, whisper_prompt
+
+    paths = [f"/usr/share/asterisk/sounds/en/{name}" for name in SAMPLE]
+    if not all(os.path.isfile(p) for p in paths):
+        pytest.skip("needs the Asterisk recordings (apt-get install asterisk-core-sounds-en-wav)")
+    model, tok, config = whisper_full
+    waves = torch.zeros(len(paths), 30 * 16000)
+    for i, path in enumerate(paths):
+        wave = AudioPreprocess(16000, 30).load(path)
+        waves[i, : len(wave)] = wave
+    prompt = whisper_prompt(tok, config)
+    got = WHISPER.generate(
+        model,
+        waves,
+        prompt,
+        tok.eos_id,
+        max_new_tokens=24,
+        suppress=config["suppress_ids"],
+        suppress_begin=config["suppress_ids_begin"],
+    )
+    features, _ = model.tokenizers["audio"].mel(waves)
+    reference = ctranslate2.models.Whisper(str(resolve_pretrained("whisper-tiny.en")), device="cpu")
+    want = reference.generate(
+        ctranslate2.StorageView.from_array(features.numpy()),
+        [[tok.tokenizer.id_to_token(t) for t in prompt]] * len(paths),
+        beam_size=1,
+        max_length=48,  # CTranslate2 decodes at most max_length / 2 new tokens
+    )
+    assert got == [w.sequences_ids[0] for w in want]
+    texts = [tok.decode(ids, skip_special=True).strip() for ids in got]
+    assert texts[0] == "7." and len(got[3]) == 24  # the long prompt reaches the limit

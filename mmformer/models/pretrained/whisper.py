@@ -1,4 +1,6 @@
-"""Whisper's audio encoder (Radford et al. 2022, arXiv:2212.04356) from CTranslate2 files into mmformer.
+"""Whisper (Radford et al. 2022, arXiv:2212.04356) from CTranslate2 files into mmformer: the audio
+encoder alone (``load_whisper_encoder``, the tower / tokenizer recipes reuse) or the whole
+encoder–decoder with its tokenizer (``load_whisper``, speech recognition).
 
 An imported encoder is a ``MultimodalModel`` with ``tokenizers.audio`` (a ``WhisperConvTokenizer``:
 Whisper's log-mel, its two-conv stem and fixed sinusoidal positions), a bidirectional pre-norm
@@ -13,6 +15,17 @@ Name mapping (CTranslate2 ``WhisperSpec`` → mmformer):
   encoder/layer_i/ffn/layer_norm             → backbone.blocks.i.norm2
   encoder/layer_i/ffn/linear_{0,1}           → backbone.blocks.i.mlp.fc{1,2}
   encoder/layer_norm                         → backbone.norm
+
+The full model (``load_whisper``) is an ``EncoderDecoder("audio", "text", "lm")``: the encoder above
+becomes ``towers.audio``; the decoder is the shared backbone (causal ``CrossAttentionBlock``s):
+
+  decoder/embeddings                          → tokenizers.text.embed (the LM head is tied to it)
+  decoder/position_encodings/encodings        → tokenizers.text.pos_embed   (learned, 448 positions)
+  decoder/layer_i/self_attention/{layer_norm, linear_0, linear_1} → backbone.blocks.i.{norm1, attn.qkv, attn.proj}
+  decoder/layer_i/attention/layer_norm        → backbone.blocks.i.norm_cross
+  decoder/layer_i/attention/linear_{0,1,2}    → backbone.blocks.i.cross_attn.{q, kv, proj}  (kv fused k; v)
+  decoder/layer_i/ffn/…                       → backbone.blocks.i.{norm2, mlp.fc1, mlp.fc2}
+  decoder/layer_norm                          → backbone.norm
 
 (Whisper's key projection has no bias; CTranslate2 stores zeros there, and a key bias cannot change
 softmax attention, so the fused bias is exact.) Reference: the CTranslate2 encoder itself
@@ -29,7 +42,10 @@ import torch
 from torch import Tensor
 
 from ...tokenizers.audio import WhisperConvTokenizer
+from ...tokenizers.text import TextEmbedding, TextTokenizer
 from ..backbone import build_backbone
+from ..encoder_decoder import EncoderDecoder
+from ..heads import LMHead
 from ..model import MultimodalModel
 from .ctranslate2 import read_ctranslate2
 
@@ -117,3 +133,128 @@ def load_whisper_encoder(
     if missing or unexpected:
         raise ValueError(f"Whisper weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model.to(dtype), config
+
+
+# --------------------------------------------------------------------------- the whole model
+WHISPER = EncoderDecoder("audio", "text", "lm")  # the parts' names in a model from ``load_whisper``
+WHISPER_SPECIAL = {"bos": "<|startoftranscript|>", "eos": "<|endoftext|>", "image": None, "audio": None}
+
+
+def whisper_config(variables: dict[str, Tensor], ct2_config: dict | None = None) -> dict:
+    """``whisper_encoder_config`` plus the decoder's sizes (``n_text_layers``, ``n_text_ctx``,
+    ``n_vocab``) and CTranslate2's decoding rules (``suppress_ids``, ``suppress_ids_begin``)."""
+    config = whisper_encoder_config(variables)
+    n_vocab, _ = variables["decoder/embeddings/weight"].shape
+    config.update(
+        n_text_layers=len({k.split("/")[1] for k in variables if re.match(r"decoder/layer_\d+/", k)}),
+        n_text_heads=int(variables["decoder/num_heads"]),
+        n_text_ctx=int(variables["decoder/position_encodings/encodings"].shape[0]),
+        n_vocab=int(n_vocab),
+        suppress_ids=list((ct2_config or {}).get("suppress_ids", [])),
+        suppress_ids_begin=list((ct2_config or {}).get("suppress_ids_begin", [])),
+    )
+    return config
+
+
+def build_whisper(config: dict) -> MultimodalModel:
+    """An untrained Whisper encoder–decoder of ``whisper_config``'s sizes (parts named as ``WHISPER``)."""
+    d = config["d_model"]
+    encoder = build_whisper_encoder(config)
+    decoder = build_backbone(
+        d,
+        config["n_text_layers"],
+        config["n_text_heads"],
+        mlp_hidden=config["mlp_hidden"],
+        norm_eps=1e-5,
+        act="gelu",
+        block="cross",
+        causal=True,
+    )
+    text = TextEmbedding(config["n_vocab"], d, max_len=config["n_text_ctx"])
+    lm = LMHead(d, config["n_vocab"])
+    lm.tie_to(text.embed)
+    return MultimodalModel(
+        {"audio": encoder.tokenizers["audio"], "text": text}, decoder, {"lm": lm}, {"audio": encoder.backbone}
+    )
+
+
+def ct2_decoder_to_mmformer(variables: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
+    v = variables
+    out = {
+        "tokenizers.text.embed.weight": v["decoder/embeddings/weight"],
+        "tokenizers.text.pos_embed.weight": v["decoder/position_encodings/encodings"],
+        "backbone.norm.weight": v["decoder/layer_norm/gamma"],
+        "backbone.norm.bias": v["decoder/layer_norm/beta"],
+    }
+    for i in range(config["n_text_layers"]):
+        ct, mm = f"decoder/layer_{i}/", f"backbone.blocks.{i}."
+        for ct_norm, mm_norm in (
+            ("self_attention/layer_norm", "norm1"),
+            ("attention/layer_norm", "norm_cross"),
+            ("ffn/layer_norm", "norm2"),
+        ):
+            out[mm + mm_norm + ".weight"] = v[ct + ct_norm + "/gamma"]
+            out[mm + mm_norm + ".bias"] = v[ct + ct_norm + "/beta"]
+        for ct_name, mm_name in (
+            ("self_attention/linear_0", "attn.qkv"),
+            ("self_attention/linear_1", "attn.proj"),
+            ("attention/linear_0", "cross_attn.q"),
+            ("attention/linear_1", "cross_attn.kv"),
+            ("attention/linear_2", "cross_attn.proj"),
+            ("ffn/linear_0", "mlp.fc1"),
+            ("ffn/linear_1", "mlp.fc2"),
+        ):
+            out[mm + mm_name + ".weight"] = v[ct + ct_name + "/weight"]
+            out[mm + mm_name + ".bias"] = v[ct + ct_name + "/bias"]
+    return out
+
+
+def whisper_prompt(tokenizer: TextTokenizer, config: dict, language: str = "en") -> list[int]:
+    """The decoder prompt for transcription without timestamps: ``<|startoftranscript|>
+    <|notimestamps|>`` (English-only models), with ``<|language|> <|transcribe|>`` between them for
+    multilingual ones. Raises ``ValueError`` for a language the vocabulary lacks."""
+    tok = tokenizer.tokenizer
+    ids = [tokenizer.bos_id]
+    if config["n_vocab"] >= 51865:  # multilingual vocabularies add the language tokens
+        lang = tok.token_to_id(f"<|{language}|>")
+        if lang is None:
+            raise ValueError(f"Whisper has no language token <|{language}|>")
+        ids += [lang, tok.token_to_id("<|transcribe|>")]
+    return ids + [tok.token_to_id("<|notimestamps|>")]
+
+
+def load_whisper(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[MultimodalModel, TextTokenizer, dict]:
+    """A CTranslate2 Whisper directory → ``(encoder–decoder model, its text tokenizer, config)``; the
+    model's parts are named as ``WHISPER``, ``config`` holds the sizes and the decoding rules
+    (``whisper_prompt`` makes the prompt). Raises ``FileNotFoundError`` / ``ValueError``."""
+    path = Path(path)
+    if not path.is_dir() or not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a CTranslate2 Whisper directory with a tokenizer.json")
+    spec, variables = read_ctranslate2(path / "model.bin")
+    if spec != "WhisperSpec":
+        raise ValueError(f"{str(path)!r} holds a CTranslate2 {spec or 'model'}, not Whisper")
+    quantized = [k for k, t in variables.items() if k.endswith("weight") and not t.is_floating_point()]
+    if quantized:
+        raise ValueError(
+            f"{str(path)!r} holds quantized (int8) weights ({quantized[0]}, …); convert the model with "
+            "--quantization float16 or float32"
+        )
+    ct2_config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    config = whisper_config(variables, ct2_config)
+    projection = variables.get("decoder/projection/weight")
+    if projection is not None and not torch.equal(projection, variables["decoder/embeddings/weight"]):
+        raise ValueError("this Whisper's output projection is not tied to its embeddings; mmformer ties them")
+    model = build_whisper(config)
+    state = {
+        k.replace("backbone.", "towers.audio.", 1) if k.startswith("backbone.") else k: t
+        for k, t in ct2_to_mmformer(variables, config).items()
+    }
+    state.update(ct2_decoder_to_mmformer(variables, config))
+    state["heads.lm.head.weight"] = state["tokenizers.text.embed.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"Whisper weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    tokenizer = TextTokenizer.from_file(path / "tokenizer.json", WHISPER_SPECIAL)
+    return model.to(dtype), tokenizer, config

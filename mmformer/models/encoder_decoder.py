@@ -1,0 +1,160 @@
+"""Encoder–decoder (Vaswani et al. 2017, §3.1; Whisper, Radford et al. 2022, §2.2): an encoder reads the
+source (audio, image or text) once; a causal decoder of ``CrossAttentionBlock``s generates text, each
+block attending to the encoder's output.
+
+In a ``MultimodalModel`` the encoder is the source tokenizer's tower (``model.towers[tokenizer]``) and
+the decoder is the shared backbone (``block: cross``, ``causal: true``), read out by an LM head — the
+same parts a recipe names for every other task, so an encoder–decoder needs no model class of its own.
+
+Training: teacher forcing — the decoder reads the whole target ``bos … eos`` at once and position ``t``
+predicts token ``t + 1`` (``logits``). Decoding (``generate``): the encoder runs once; the prompt (one
+``bos``, or Whisper's ``<|startoftranscript|> <|notimestamps|>``) is prefilled into the KV cache, then
+one token per step: the self-attention cache grows, and each block's cross-attention keys/values are
+projected from the encoder output at the first step and reused (``KVCache.cross``). Greedy or beam
+search (``mmformer.models.decoding``), with Whisper's token-suppression rules when asked.
+
+Shape legend: B batch, M source tokens, L text tokens, D decoder width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from ..nn.attention import KVCache
+from ..nn.tokens import Tokens
+from .decoding import beam_search, greedy
+from .model import MultimodalModel
+
+
+@dataclass(frozen=True)
+class EncoderDecoder:
+    """The names of an encoder–decoder's parts in a ``MultimodalModel``.
+
+    Attributes:
+        tokenizer: the source tokenizer; its tower is the encoder.
+        text_tokenizer: the decoder's text tokenizer (a ``TextEmbedding``).
+        lm_head: the LM head over the decoder's output.
+    """
+
+    tokenizer: str
+    text_tokenizer: str
+    lm_head: str
+
+    def check(self, model: MultimodalModel) -> None:
+        """Raises ``ValueError`` when the model's parts cannot form an encoder–decoder."""
+        if self.tokenizer not in model.towers:
+            raise ValueError(
+                f"an encoder–decoder encodes with the source tokenizer's tower: model.towers has no "
+                f"{self.tokenizer!r} (towers: {list(model.towers)})"
+            )
+        if not model.backbone.causal or not hasattr(model.backbone.blocks[0], "cross_attn"):
+            raise ValueError("the decoder (the shared backbone) must be causal with cross-attention blocks")
+
+    def encode(self, model: MultimodalModel, inputs: Tensor, source_valid: Tensor | None = None) -> Tokens:
+        """Source ``inputs`` (waves ``(B, S)`` with ``source_valid (B, S)`` bool, True = real sample;
+        images; ids) → the encoder's output as Tokens ``(B, M, D_enc)`` (its ``valid`` marks real tokens)."""
+        kwargs = {"valid": source_valid} if source_valid is not None else {}
+        tokens = model.tokenizers[self.tokenizer](inputs, **kwargs)
+        if isinstance(tokens, tuple):
+            raise ValueError(
+                f"tokenizer {self.tokenizer!r} returns a conditioning vector; it cannot be a source"
+            )
+        return replace(tokens, x=model.towers[self.tokenizer](tokens))
+
+    def _text(self, model: MultimodalModel, ids: Tensor, valid: Tensor | None, start: int = 0) -> Tokens:
+        """Text Tokens whose positions count from ``start`` (the first text token is position 0)."""
+        emb = model.tokenizers[self.text_tokenizer]
+        pos = None
+        if start:
+            pos = start + torch.arange(ids.shape[1], device=ids.device).view(1, -1, 1)
+            pos = pos.expand(*ids.shape, emb.n_pos_axes)
+        return emb(ids, valid=valid, positions=pos)
+
+    def decode(
+        self, model: MultimodalModel, context: Tokens, ids: Tensor, valid: Tensor | None = None
+    ) -> Tensor:
+        """Teacher-forced next-token logits ``(B, L, V)`` of text ``ids (B, L)`` long (``valid (B, L)``
+        bool, True = real token) given the encoder output ``context``."""
+        text = self._text(model, ids, valid)
+        return model.heads[self.lm_head](model.backbone(text, context=context), text)
+
+    def logits(
+        self,
+        model: MultimodalModel,
+        inputs: Tensor,
+        ids: Tensor,
+        valid: Tensor,
+        source_valid: Tensor | None = None,
+    ) -> Tensor:
+        """Encode ``inputs`` and return the teacher-forced logits ``(B, L, V)``: position ``t`` predicts
+        text token ``t + 1`` (the interface ``PrefixLM.logits`` has, so one task trains both)."""
+        return self.decode(model, self.encode(model, inputs, source_valid), ids, valid)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: MultimodalModel,
+        inputs: Tensor,
+        prompt: int | Sequence[int],
+        eos_id: int | None,
+        max_new_tokens: int,
+        beam_size: int = 1,
+        length_penalty: float = 1.0,
+        source_valid: Tensor | None = None,
+        suppress: Sequence[int] = (),
+        suppress_begin: Sequence[int] = (),
+    ) -> list[list[int]]:
+        """Text for each source: the new ids per row (without the prompt and ``eos``). ``prompt``: the
+        ``bos`` id or the ids every row starts with. ``beam_size=1`` is greedy. ``suppress`` ids are never
+        generated, ``suppress_begin`` ids not first (Whisper's rules). With learned text positions the
+        text stops at the tokenizer's ``max_len``.
+
+        Raises ``ValueError`` for ``beam_size < 1`` or ``max_new_tokens < 1``, or parts that do not form
+        an encoder–decoder.
+        """
+        if beam_size < 1 or max_new_tokens < 1:
+            raise ValueError(f"beam_size and max_new_tokens must be >= 1, got {beam_size}, {max_new_tokens}")
+        self.check(model)
+        model.eval()
+        prompt = [prompt] if isinstance(prompt, int) else list(prompt)
+        max_len = getattr(model.tokenizers[self.text_tokenizer], "max_len", None)
+        if max_len is not None:
+            max_new_tokens = min(max_new_tokens, max_len - len(prompt))
+        context = self.encode(model, inputs, source_valid)
+        B = context.x.shape[0]
+        ids = torch.tensor(prompt, dtype=torch.long, device=context.x.device).expand(B, -1)
+        cache = KVCache()
+        text = self._text(model, ids, None)
+        hidden = model.backbone(text, context=context, cache=cache)
+        logits = model.heads[self.lm_head](hidden[:, -1:], text)[:, -1]  # (B, V)
+
+        contexts = {B: context}  # beam search runs B·K rows: row b·K + k reads source b
+
+        def step(nxt: Tensor, t: int) -> Tensor:  # ``nxt (B', 1)`` → next-token logits (B', V)
+            rows = nxt.shape[0]
+            if rows not in contexts:  # its keys/values are cached; the backbone reads only its mask
+                contexts[rows] = _repeat_rows(context, rows // B)
+            text = self._text(model, nxt, None, start=cache.length)
+            hidden = model.backbone(text, context=contexts[rows], cache=cache)
+            return model.heads[self.lm_head](hidden, text)[:, -1]
+
+        if beam_size == 1:
+            return greedy(step, logits, eos_id, max_new_tokens, suppress, suppress_begin)
+        return beam_search(
+            step, cache, logits, eos_id, max_new_tokens, beam_size, length_penalty, suppress, suppress_begin
+        )
+
+
+def _repeat_rows(tokens: Tokens, k: int) -> Tokens:
+    """Each row of ``tokens`` repeated ``k`` times in place (beam search's B·K rows)."""
+    return Tokens(
+        tokens.x.repeat_interleave(k, 0),
+        tokens.valid.repeat_interleave(k, 0),
+        tokens.positions.repeat_interleave(k, 0),
+        tokens.document.repeat_interleave(k, 0),
+        tokens.modality.repeat_interleave(k, 0),
+    )
