@@ -16,7 +16,9 @@ Benchmarks (fp32, ``torch.set_num_threads(2)`` unless ``--threads``):
 Each benchmark builds both models at one configuration, copies the weights across (or loads the same
 checkpoint into both) and checks they compute the same thing (forward outputs, the first step's loss,
 greedy ids) before timing. A training step is forward, the loss, backward and an AdamW step with the
-same settings on both sides (``--optimizer foreach`` / ``fused`` for the multi-tensor / fused AdamW).
+same settings on both sides (``--optimizer foreach`` / ``fused`` for the multi-tensor / fused AdamW), or
+with each platform's own AdamW kernel (``--optimizer platform``: mmformer's fused default vs torch's
+default, which timm and a plain ``torch.optim.AdamW`` use).
 After warm-up the two sides run alternately in this process (mmformer, peer, mmformer, peer, …), so
 both see the same machine state; printed: each side's median time and throughput, and the median and
 interquartile range of the per-pair ratios peer time / mmformer time (> 1: mmformer is faster).
@@ -48,7 +50,7 @@ class Settings:
     quick: bool
     pairs: int
     warmup: int
-    optimizer: str  # default | foreach | fused
+    optimizer: str  # default | foreach | fused | platform
 
 
 @dataclass
@@ -126,14 +128,26 @@ def check_close(what: str, got: torch.Tensor, want: torch.Tensor, rel: float = 1
         raise AssertionError(f"{what}: mmformer and the peer differ by {diff:.3e} (> {rel} × {scale:.3e})")
 
 
-def adamw(model: nn.Module, s: Settings) -> torch.optim.Optimizer:
-    kw = {"foreach": {"foreach": True}, "fused": {"fused": True}, "default": {}}[s.optimizer]
+def adamw(model: nn.Module, s: Settings, ours: bool) -> torch.optim.Optimizer:
+    """AdamW as ``--optimizer`` says: the same kernel on both sides (``default`` = torch's choice,
+    ``foreach``, ``fused``), or ``platform``: each side as its platform trains — mmformer's recipes use
+    the fused kernel (``optim.implementation``, ``mmformer.training.optim.adamw_kernel``), the peer
+    torch's default (what timm's ``create_optimizer_v2`` and a plain ``torch.optim.AdamW`` give)."""
+    if s.optimizer == "platform":
+        kw = {}
+        if ours:
+            from mmformer.training.optim import adamw_kernel  # torch only, like the model library
+
+            kw = adamw_kernel([{"params": list(model.parameters())}], "fused")
+    else:
+        kw = {"foreach": {"foreach": True}, "fused": {"fused": True}, "default": {}}[s.optimizer]
     return torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.05, **kw)
 
 
-def train_step(model: nn.Module, loss_fn: Callable[[], torch.Tensor], s: Settings):
-    """A closure doing one training step (zero grads, loss, backward, AdamW step); returns the loss."""
-    opt = adamw(model, s)
+def train_step(model: nn.Module, loss_fn: Callable[[], torch.Tensor], s: Settings, ours: bool = False):
+    """A closure doing one training step (zero grads, loss, backward, AdamW step); returns the loss.
+    ``ours``: the mmformer side (for ``--optimizer platform``)."""
+    opt = adamw(model, s, ours)
     model.train()
 
     def step() -> float:
@@ -203,7 +217,7 @@ def bench_vit(s: Settings) -> list[Result]:
     y = torch.randint(0, cfg["num_classes"], (batch,), generator=g)
     with torch.no_grad():
         check_close("logits (eval)", ours.eval()(x, "image", "cls"), ref.eval()(x), 1e-4)
-    mm = train_step(ours, lambda: F.cross_entropy(ours(x, "image", "cls"), y), s)
+    mm = train_step(ours, lambda: F.cross_entropy(ours(x, "image", "cls"), y), s, ours=True)
     peer = train_step(ref, lambda: F.cross_entropy(ref(x), y), s)
     first_losses_match(mm, peer)
     return [paired("vit", "timm", mm, peer, batch, "images/s", s)]
@@ -285,7 +299,7 @@ def bench_gpt2(s: Settings) -> list[Result]:
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         check_close("logits (eval)", ours.eval()(ids, "text", "lm"), ref.eval()(ids).logits, 1e-4)
-    mm = train_step(ours, lambda: lm_loss(ours(ids, "text", "lm"), ids), s)
+    mm = train_step(ours, lambda: lm_loss(ours(ids, "text", "lm"), ids), s, ours=True)
     peer = train_step(ref, lambda: lm_loss(ref(ids).logits, ids), s)
     first_losses_match(mm, peer)
     return [paired("gpt2", "HF", mm, peer, batch * seq, "tokens/s", s)]
@@ -363,7 +377,7 @@ def bench_llama(s: Settings) -> list[Result]:
     import copy
 
     ours, ref = copy.deepcopy(ours), copy.deepcopy(ref)
-    mm = train_step(ours, lambda: lm_loss(ours(ids, "text", "lm"), ids), s)
+    mm = train_step(ours, lambda: lm_loss(ours(ids, "text", "lm"), ids), s, ours=True)
     peer = train_step(ref, lambda: lm_loss(ref(ids).logits, ids), s)
     first_losses_match(mm, peer)
     return [paired("llama", "HF", mm, peer, batch * seq, "tokens/s", s)]
@@ -633,7 +647,7 @@ def bench_dit(s: Settings) -> list[Result]:
     target = torch.randn(batch, 2 * c_in, size, size, generator=g)
     with torch.no_grad():
         check_close("output (eval)", ours.eval()(x, "x", "eps", t=t, labels=y), ref.eval()(x, t, y), 1e-4)
-    mm = train_step(ours, lambda: F.mse_loss(ours(x, "x", "eps", t=t, labels=y), target), s)
+    mm = train_step(ours, lambda: F.mse_loss(ours(x, "x", "eps", t=t, labels=y), target), s, ours=True)
     peer = train_step(ref, lambda: F.mse_loss(ref(x, t, y), target), s)
     # the first step's loss is not compared: label dropout draws differently on the two sides
     return [paired("dit", "DiT ref", mm, peer, batch, "samples/s", s)]
@@ -646,7 +660,7 @@ def main() -> None:
     p.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {BENCHMARKS}")
     p.add_argument("--pairs", type=int, default=None, help="timed pairs (default 12; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="untimed pairs first (default 2; 1 with --quick)")
-    p.add_argument("--optimizer", choices=("default", "foreach", "fused"), default="default")
+    p.add_argument("--optimizer", choices=("default", "foreach", "fused", "platform"), default="default")
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     only = [b.strip() for b in a.only.split(",") if b.strip()]

@@ -73,7 +73,6 @@ def main() -> None:
     p.add_argument("--compare", type=int, default=64, help="clips also decoded by CTranslate2 (0: none)")
     p.add_argument("--show", type=int, default=5)
     args = p.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
 
     path = resolve_pretrained("whisper-tiny.en")
     model, tok, config = load_whisper(path)

@@ -621,18 +621,22 @@ def build_seq2seq(cfg: Seq2SeqTaskConfig, recipe: RecipeConfig) -> Seq2SeqTask:
             "needs an LM head (kind: lm or pretrained)"
         )
     b = m.backbone
-    if b.kind != "pretrained":
-        if b.block != "cross" or not b.causal:
-            raise RecipeError(
-                "a seq2seq task's decoder is the shared backbone: set model.backbone.block: cross and causal: true"
-            )
-        tower = m.towers[cfg.tokenizer]
-        d_tower, d_context = getattr(tower, "d_model", None), b.d_context or b.d_model
-        if tower.kind != "pretrained" and d_tower != d_context:
-            raise RecipeError(
-                f"model.towers.{cfg.tokenizer} is {d_tower} wide but the decoder's cross-attention reads "
-                f"{d_context}: set model.backbone.d_context: {d_tower}"
-            )
+    if b.kind == "pretrained":
+        raise RecipeError(
+            "a seq2seq task's decoder is the shared backbone with cross-attention blocks; no pretrained "
+            "backbone has them yet: use model.backbone: {block: cross, causal: true, …}"
+        )
+    if b.block != "cross" or not b.causal:
+        raise RecipeError(
+            "a seq2seq task's decoder is the shared backbone: set model.backbone.block: cross and causal: true"
+        )
+    tower = m.towers[cfg.tokenizer]
+    d_tower, d_context = getattr(tower, "d_model", None), b.d_context or b.d_model
+    if tower.kind != "pretrained" and d_tower != d_context:
+        raise RecipeError(
+            f"model.towers.{cfg.tokenizer} is {d_tower} wide but the decoder's cross-attention reads "
+            f"{d_context}: set model.backbone.d_context: {d_tower}"
+        )
     data_len = getattr(cfg.data, "max_len", None)
     metric = cfg.main_metric or (
         "wer" if tokenizer_modality(m.tokenizers[cfg.tokenizer]) == "audio" else "exact_match"

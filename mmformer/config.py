@@ -827,8 +827,13 @@ class OptimConfig:
     freeze_pretrained_epochs: int = 0  # the parts of kind pretrained train frozen (linear probe) this long
     # a NaN / inf loss or gradient skips the update on every rank; this many in a row stop the run
     max_nonfinite_steps: int = 5
+    # AdamW's kernel (torchtitan's optimizer.implementation): fused (one kernel over all tensors, on CPU
+    # and CUDA; the default), foreach (multi-tensor), for-loop (torch's per-tensor reference)
+    implementation: str = "fused"
 
     def __post_init__(self) -> None:
+        if self.implementation not in ("fused", "foreach", "for-loop"):
+            raise ValueError(f"implementation={self.implementation!r}; choose fused | foreach | for-loop")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.name != "adamw":

@@ -1,8 +1,9 @@
 """Greedy and beam-search decoding over a KV cache, shared by the prefix-LM and the encoder–decoder.
 
-A model plugs in through ``step(ids (B', 1) long, t) → logits (B', V)``: feed the previous token as
-text token ``t`` (appending to the KV cache) and return the next-token logits. Both decoders start
-from the logits of the prefilled prompt.
+A model plugs in through ``step(ids (B', 1) long, t) → logits (B', V)``: feed the token generated at
+step ``t - 1`` (``t`` counts generated tokens from 1; its text position is the prompt length plus
+``t - 1``), appending it to the KV cache, and return the next-token logits. Both decoders start from
+the logits of the prefilled prompt; ``B'`` is B for greedy and B·K for beam search.
 
 Beam search keeps ``beam_size`` live hypotheses per row; a hypothesis ending in ``eos`` among the best
 ``beam_size`` candidates of a step is finished with score ``sum log p / length ** length_penalty``
@@ -55,15 +56,16 @@ def greedy(
     suppress_begin: Sequence[int] = (),
 ) -> list[list[int]]:
     """Greedy decoding from the prompt's next-token ``logits (B, V)``: the new ids per row, without
-    ``eos``. No forward is run for logits nobody reads (after the last step or when every row ended)."""
+    ``eos``. No forward is run for logits nobody reads (after the last step or when every row ended).
+    ``max_new_tokens`` must be >= 1 (the callers check)."""
     B, V = logits.shape
     always, first = _suppressor(suppress, V, logits.device), _suppressor(suppress_begin, V, logits.device)
     out: list[list[int]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=logits.device)
     for t in range(max_new_tokens):
         nxt = _apply(logits, always, first if t == 0 else None).argmax(dim=-1)
-        for i, tok in enumerate(nxt.tolist()):
-            if not done[i] and tok != eos_id:
+        for i, (tok, ended) in enumerate(zip(nxt.tolist(), done.tolist())):
+            if not ended and tok != eos_id:
                 out[i].append(tok)
         if eos_id is not None:
             done |= nxt == eos_id
@@ -85,7 +87,8 @@ def beam_search(
     suppress_begin: Sequence[int] = (),
 ) -> list[list[int]]:
     """Beam search from the prompt's next-token ``logits (B, V)`` (``cache`` holds B rows and is expanded
-    to B·K); the best finished hypothesis per row, without ``eos``."""
+    to B·K, row ``b·K + k`` being beam ``k`` of source ``b``); the best finished hypothesis per row,
+    without ``eos``. ``max_new_tokens`` and ``beam_size`` must be >= 1 (the callers check)."""
     B, V = logits.shape
     K, dev = beam_size, logits.device
     always, first = _suppressor(suppress, V, dev), _suppressor(suppress_begin, V, dev)
@@ -129,7 +132,8 @@ def beam_search(
         seqs, scores = new_seqs, new_scores.to(dev)
         if all(done) or t == max_new_tokens - 1:
             break
-        cache.reorder((torch.arange(B).unsqueeze(1) * K + parents).view(-1).to(dev))
+        # a beam's parent is a beam of the same source: the cross-attention keys/values stay in place
+        cache.reorder((torch.arange(B).unsqueeze(1) * K + parents).view(-1).to(dev), cross=False)
         logp = _apply(step(tokens.view(-1, 1).to(dev), t + 1).float(), always).log_softmax(-1)
     out = []
     for b in range(B):

@@ -91,7 +91,9 @@ class EncoderDecoder:
         source_valid: Tensor | None = None,
     ) -> Tensor:
         """Encode ``inputs`` and return the teacher-forced logits ``(B, L, V)``: position ``t`` predicts
-        text token ``t + 1`` (the interface ``PrefixLM.logits`` has, so one task trains both)."""
+        text token ``t + 1`` (the interface ``PrefixLM.logits`` has, so one task trains both). Raises
+        ``ValueError`` when the model's parts cannot form an encoder–decoder (``check``)."""
+        self.check(model)
         return self.decode(model, self.encode(model, inputs, source_valid), ids, valid)
 
     @torch.no_grad()
@@ -113,8 +115,8 @@ class EncoderDecoder:
         generated, ``suppress_begin`` ids not first (Whisper's rules). With learned text positions the
         text stops at the tokenizer's ``max_len``.
 
-        Raises ``ValueError`` for ``beam_size < 1`` or ``max_new_tokens < 1``, or parts that do not form
-        an encoder–decoder.
+        Raises ``ValueError`` for ``beam_size < 1`` or ``max_new_tokens < 1``, a prompt that fills the
+        decoder's positions, or parts that do not form an encoder–decoder.
         """
         if beam_size < 1 or max_new_tokens < 1:
             raise ValueError(f"beam_size and max_new_tokens must be >= 1, got {beam_size}, {max_new_tokens}")
@@ -123,6 +125,8 @@ class EncoderDecoder:
         prompt = [prompt] if isinstance(prompt, int) else list(prompt)
         max_len = getattr(model.tokenizers[self.text_tokenizer], "max_len", None)
         if max_len is not None:
+            if len(prompt) >= max_len:
+                raise ValueError(f"a prompt of {len(prompt)} tokens fills the decoder's {max_len} positions")
             max_new_tokens = min(max_new_tokens, max_len - len(prompt))
         context = self.encode(model, inputs, source_valid)
         B = context.x.shape[0]
@@ -150,7 +154,8 @@ class EncoderDecoder:
 
 
 def _repeat_rows(tokens: Tokens, k: int) -> Tokens:
-    """Each row of ``tokens`` repeated ``k`` times in place (beam search's B·K rows)."""
+    """Each row of ``tokens`` (every field ``(B, M, …)``) repeated ``k`` times in place → ``(B·k, M, …)``
+    (beam search's rows ``b·k + j``)."""
     return Tokens(
         tokens.x.repeat_interleave(k, 0),
         tokens.valid.repeat_interleave(k, 0),

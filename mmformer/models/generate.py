@@ -75,7 +75,8 @@ def generate(
             )
         max_new_tokens = min(max_new_tokens, room)
     cache = KVCache()
-    logits = model(ids, tokenizer, head, cache=cache, valid=valid)[:, -1]
+    hidden, tokens = model.encode(tokenizer, ids, cache=cache, valid=valid)
+    logits = model.heads[head](hidden[:, -1:], tokens)[:, -1]  # the prompt's last position only
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for step in range(max_new_tokens):

@@ -102,9 +102,11 @@ class KVCache:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, cross: bool = True) -> None:
         """Keep batch rows ``index (B',)`` long, in that order (beam search: each surviving hypothesis
-        continues from its parent's keys and values; a row may be repeated)."""
+        continues from its parent's keys and values; a row may be repeated). ``cross=False`` leaves the
+        cross-attention keys/values as they are: right when every row keeps its source (beams of one
+        source replacing each other), and it saves copying them every step."""
         pick = lambda t: None if t is None else t.index_select(0, index)
         self.keys = {layer: pick(k) for layer, k in self.keys.items()}
         self.values = {layer: pick(v) for layer, v in self.values.items()}
@@ -114,7 +116,8 @@ class KVCache:
             pick(self.positions),
         )
         self.span_open = pick(self.span_open)
-        self.cross = {layer: (pick(k), pick(v)) for layer, (k, v) in self.cross.items()}
+        if cross:
+            self.cross = {layer: (pick(k), pick(v)) for layer, (k, v) in self.cross.items()}
 
     def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:
         """Append the new tokens' metadata (called once per forward, after every layer ran)."""
@@ -252,12 +255,20 @@ class Attention(nn.Module):
     def _project(
         self, x: Tensor, context: Tensor | None, cache: KVCache | None = None, layer: int = 0
     ) -> tuple[Tensor, Tensor, Tensor]:
+        """``x (B, Nq, D)`` (and ``context (B, M, D_ctx)``) → ``q (B, H, Nq, Dh)``, ``k, v (B, Hkv, Nk, Dh)``;
+        cross-attention takes ``k, v`` from ``cache.cross[layer]`` when there (raises ``ValueError`` if
+        they belong to a context of another shape)."""
         B, N, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         if self.cross:
             q = self.q(x).view(B, N, H, Dh).transpose(1, 2)  # (B, H, Nq, Dh)
             if cache is not None and layer in cache.cross:  # the context's keys/values, computed once
                 k, v = cache.cross[layer]
+                if k.shape[0] != B or k.shape[2] != context.shape[1]:
+                    raise ValueError(
+                        f"the KV cache holds cross-attention keys/values of another context ({k.shape[0]} rows "
+                        f"× {k.shape[2]} tokens, not {B} × {context.shape[1]}): use a new KVCache per source batch"
+                    )
                 return self.q_norm(q), k, v
             M = context.shape[1]
             k, v = self.kv(context).view(B, M, 2 * Hkv, Dh).transpose(1, 2).split([Hkv, Hkv], dim=1)

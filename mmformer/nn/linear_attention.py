@@ -4,7 +4,11 @@ with Performers", §2.3–2.4; the positive orthogonal random features of ``perf
 ``softmax(q·k/√d)`` is estimated by ``φ(q)·φ(k)`` with ``φ(x) = exp(W x̃ − |x̃|²/2) / √m``,
 ``x̃ = x / d^{1/4}``, ``W`` ``m`` orthogonal Gaussian rows; attention becomes
 ``φ(Q) (φ(K)ᵀ V)`` normalised by ``φ(Q) (φ(K)ᵀ 1)`` — time and memory linear in the sequence
-length (causal: prefix sums). The estimate converges to softmax attention as ``m`` grows (tested).
+length. Causal attention needs prefix sums of ``φ(k)ᵀ v``; materialising one ``(m, Dh)`` state per token
+costs ``N·m·Dh`` memory, so it runs chunkwise (the chunked form of linear attention, e.g. Yang et al.
+2024, "Gated Linear Attention", §2.2): inside a chunk of ``C`` tokens the causal ``φ(Q)φ(K)ᵀ`` is a small
+``C × C`` matrix, across chunks one running state per chunk — memory ``N·(C + m) + (N/C)·m·Dh``, the
+same sums in another order. The estimate converges to softmax attention as ``m`` grows (tested).
 """
 
 from __future__ import annotations
@@ -56,6 +60,26 @@ def favor_attention(
         return ((qf @ kv) / norm).to(dtype)
     if q.shape[-2] != k.shape[-2]:
         raise ValueError("causal random-feature attention needs as many queries as keys (no KV cache)")
-    kv = torch.cumsum(kf.unsqueeze(-1) * v.unsqueeze(-2), dim=-3)  # (B, H, N, m, Dh): prefix sums
-    norm = (qf * torch.cumsum(kf, dim=-2)).sum(-1, keepdim=True)  # (B, H, N, 1)
-    return ((qf.unsqueeze(-2) @ kv).squeeze(-2) / norm).to(dtype)
+    return _causal_chunked(qf, kf, v).to(dtype)
+
+
+def _causal_chunked(qf: Tensor, kf: Tensor, v: Tensor, chunk: int = 64) -> Tensor:
+    """``Σ_{j≤i} (φq_i·φk_j) v_j / Σ_{j≤i} φq_i·φk_j`` for ``qf, kf (B, H, N, m)``, ``v (B, H, N, Dh)``,
+    chunk by chunk: within a chunk the causal product directly, earlier chunks through their summed
+    state ``φ(K)ᵀ V`` (exclusive prefix sum over chunks). Padding to whole chunks adds zero features,
+    which add nothing."""
+    B, H, N, m = qf.shape
+    C = min(chunk, N)
+    pad = -N % C
+    if pad:
+        qf, kf, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (qf, kf, v))
+    n = (N + pad) // C
+    qc, kc, vc = (t.reshape(B, H, n, C, t.shape[-1]) for t in (qf, kf, v))  # (B, H, n, C, ·)
+    state = kc.transpose(-1, -2) @ vc  # (B, H, n, m, Dh): each chunk's φ(K)ᵀ V
+    state = torch.cumsum(state, dim=2) - state  # the chunks before each chunk
+    z = kc.sum(dim=-2)  # (B, H, n, m)
+    z = torch.cumsum(z, dim=2) - z
+    scores = (qc @ kc.transpose(-1, -2)).tril()  # (B, H, n, C, C): causal inside the chunk
+    out = scores @ vc + qc @ state  # (B, H, n, C, Dh)
+    norm = scores.sum(-1, keepdim=True) + (qc * z.unsqueeze(-2)).sum(-1, keepdim=True)
+    return (out / norm).reshape(B, H, n * C, -1)[:, :, :N]

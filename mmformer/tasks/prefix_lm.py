@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.text import CharErrorRate, WordErrorRate
 
+from ..models.encoder_decoder import EncoderDecoder
 from ..models.model import MultimodalModel
 from ..models.prefix_lm import PrefixLM
 from .language_model import IGNORE, Perplexity
@@ -46,7 +47,7 @@ def caption_targets(ids: Tensor, valid: Tensor) -> Tensor:
 
 class PrefixLMTask(nn.Module):
     """Args:
-    prefix_lm: the parts' names (``PrefixLM``).
+    parts: the parts' names (``PrefixLM``; an ``EncoderDecoder`` for ``Seq2SeqTask``, same interface).
     input_key: the batch key of the prefix inputs (``image`` or ``audio``).
     text: the data-side ``TextTokenizer`` of the captions (``bos_id``, ``eos_id``, ``decode``).
     max_new_tokens: longest decoded text (tokens, ``eos`` excluded).
@@ -57,7 +58,7 @@ class PrefixLMTask(nn.Module):
 
     def __init__(
         self,
-        prefix_lm: PrefixLM,
+        parts: PrefixLM | EncoderDecoder,
         input_key: str,
         text,
         max_new_tokens: int,
@@ -66,7 +67,7 @@ class PrefixLMTask(nn.Module):
         main_metric: tuple[str, str] = ("wer", "min"),
     ):
         super().__init__()
-        self.prefix_lm, self.input_key, self.text = prefix_lm, input_key, text
+        self.parts, self.input_key, self.text = parts, input_key, text
         self.max_new_tokens, self.beam_size, self.length_penalty = max_new_tokens, beam_size, length_penalty
         self.main_metric = main_metric
         self.val_metrics = nn.ModuleDict(
@@ -90,7 +91,7 @@ class PrefixLMTask(nn.Module):
         return int((caption_targets(batch["caption"], batch["caption_valid"]) != IGNORE).sum())
 
     def _losses(self, model: MultimodalModel, batch: dict) -> tuple[Tensor, Tensor]:
-        logits = self.prefix_lm.logits(
+        logits = self.parts.logits(
             model,
             batch[self.input_key],
             batch["caption"],
@@ -109,7 +110,7 @@ class PrefixLMTask(nn.Module):
     ) -> list[str]:
         """Decoded text for each input (``beam_size`` and ``length_penalty`` of this task); ``prefix_valid``
         ``(B, S)`` bool marks the real samples of padded waves."""
-        ids = self.prefix_lm.generate(
+        ids = self.parts.generate(
             model,
             inputs,
             self.text.bos_id,

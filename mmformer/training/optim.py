@@ -87,7 +87,29 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
         raise ValueError("every parameter is frozen: nothing to train")
     for g in groups:
         g["lr"] = cfg.lr * g["lr_scale"]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        **adamw_kernel(groups, getattr(cfg, "implementation", "fused")),
+    )
+
+
+FUSED_DEVICES = ("cpu", "cuda", "xpu", "mps")  # where torch has a fused AdamW (floating-point tensors)
+
+
+def adamw_kernel(groups: list[dict], implementation: str = "fused") -> dict:
+    """AdamW's keyword arguments for ``implementation`` (``fused`` | ``foreach`` | ``for-loop``). Fused
+    falls back to foreach when a trainable tensor is on a device or of a dtype without the fused kernel
+    (the update is the same AdamW either way; fused does it in one pass over all tensors)."""
+    if implementation == "for-loop":
+        return {"foreach": False}
+    if implementation == "fused":
+        params = [p for g in groups for p in g["params"]]  # frozen ones too: a schedule may unfreeze them
+        if all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params):
+            return {"fused": True}
+    return {"foreach": True}
 
 
 def build_scheduler(

@@ -69,13 +69,28 @@ def test_cached_steps_equal_teacher_forced_logits():
 
 
 @torch.no_grad()
-def test_cross_attention_keys_and_values_are_projected_once():
+def test_the_decoder_reads_the_source():
+    model = _model()
+    src, src_valid = _sources()
+    target = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(2))
+    ones = torch.ones_like(target, dtype=torch.bool)
+    other = src.roll(1, dims=0), src_valid.roll(1, dims=0)  # each row gets another row's source
+    a, b = (
+        PARTS.logits(model, src, target, ones, src_valid),
+        PARTS.logits(model, *other[:1], target, ones, other[1]),
+    )
+    assert (a - b).abs().amax(dim=(1, 2)).min() > 1e-3
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+@torch.no_grad()
+def test_cross_attention_keys_and_values_are_projected_once(beam_size):
     model = _model()
     src, src_valid = _sources()
     calls = []
     for block in model.backbone.blocks:
         block.cross_attn.kv.register_forward_hook(lambda m, i, o: calls.append(i[0].shape))
-    out = PARTS.generate(model, src, [1], None, max_new_tokens=6)
+    out = PARTS.generate(model, src, [1], None, max_new_tokens=6, beam_size=beam_size)
     assert all(len(o) == 6 for o in out)
     assert len(calls) == 3  # one projection of the context per layer, not one per step
     assert all(shape == (3, 9, D_ENC) for shape in calls)
@@ -110,15 +125,35 @@ def test_source_padding_changes_nothing():
 @torch.no_grad()
 def test_batched_decoding_equals_one_source_at_a_time(beam_size):
     model = _model()
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():  # sharper distributions than the 0.02 init, so decoding choices differ
+        if p.dim() == 2:
+            p.data.normal_(0, 0.5, generator=g)
     src, src_valid = _sources()
-    kw = {"max_new_tokens": 7, "beam_size": beam_size, "suppress": [0], "suppress_begin": [5]}
+    free = PARTS.generate(model, src, 1, None, 7, beam_size, source_valid=src_valid)
+    first = free[0][0]  # chosen without suppression: the first token of row 0, and the commonest other one
+    common = max((t for t in range(V) if t != first), key=lambda t: sum(row.count(t) for row in free))
+    assert any(common in row for row in free)
+    kw = {"max_new_tokens": 7, "beam_size": beam_size, "suppress": [common], "suppress_begin": [first]}
     batched = PARTS.generate(model, src, 1, 4, source_valid=src_valid, **kw)
     for i in range(3):
         n = int(src_valid[i].sum())
         one = PARTS.generate(model, src[i : i + 1, :n], 1, 4, **kw)
         assert one == batched[i : i + 1]
-    assert all(0 not in row for row in batched)  # suppressed everywhere
-    assert all(not row or row[0] != 5 for row in batched)  # suppressed as the first token
+    assert all(common not in row for row in batched)  # suppressed everywhere
+    assert all(not row or row[0] != first for row in batched)  # suppressed as the first token
+
+
+def test_generate_refuses_a_prompt_filling_the_positions_and_a_reused_cache():
+    model = _model()
+    src, src_valid = _sources()
+    with pytest.raises(ValueError, match="fills the decoder's 64 positions"):
+        PARTS.generate(model, src, list(range(64)), None, 3)
+    cache, text = KVCache(), PARTS._text(model, torch.ones(3, 1, dtype=torch.long), None)
+    with torch.no_grad():
+        model.backbone(text, context=PARTS.encode(model, src, src_valid), cache=cache)
+        with pytest.raises(ValueError, match="another context"):
+            model.backbone(text, context=PARTS.encode(model, src[:, :4], src_valid[:, :4]), cache=cache)
 
 
 def test_generate_needs_an_encoder_tower_and_a_cross_attention_decoder():

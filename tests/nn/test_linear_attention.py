@@ -61,3 +61,17 @@ def test_the_attention_kernel_option():
     attn.kernel = "performer"
     with pytest.raises(ValueError, match="performer kernel"):
         attn(x, AttentionInputs(mask=MaskSpec(causal=True, window=4)))
+
+
+@pytest.mark.parametrize("n", [1, 50, 64, 150])
+def test_chunked_causal_sums_equal_per_token_prefix_sums(n):
+    """The chunkwise causal form gives the per-token prefix-sum formula (N·m·Dh memory) exactly."""
+    from mmformer.nn.linear_attention import _causal_chunked
+
+    g = torch.Generator().manual_seed(n)
+    qf, kf = torch.rand(2, 3, n, 16, generator=g), torch.rand(2, 3, n, 16, generator=g)
+    v = torch.randn(2, 3, n, 8, generator=g)
+    kv = torch.cumsum(kf.unsqueeze(-1) * v.unsqueeze(-2), dim=-3)  # (B, H, N, m, Dh)
+    norm = (qf * torch.cumsum(kf, dim=-2)).sum(-1, keepdim=True)
+    want = (qf.unsqueeze(-2) @ kv).squeeze(-2) / norm
+    torch.testing.assert_close(_causal_chunked(qf, kf, v, chunk=32), want, atol=1e-5, rtol=1e-5)

@@ -84,3 +84,39 @@ def test_layer_decay_scales_lr_by_depth_and_skips_frozen_parameters():
     assert (
         id(model.backbone.norm.weight) not in decay and id(model.backbone.blocks[2].mlp.fc1.weight) in decay
     )
+
+
+def _vit(seed: int = 0) -> MultimodalModel:
+    torch.manual_seed(seed)
+    return MultimodalModel(
+        {"image": ViTPatchTokenizer(32, 28, 7, 1)}, build_backbone(32, 2, 2), {"h": ClassifierHead(32, 3)}
+    )
+
+
+def test_fused_adamw_is_the_default_and_updates_as_the_reference_loop():
+    from mmformer.config import OptimConfig
+    from mmformer.training.optim import build_optimizer
+
+    x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 1])
+    finals = {}
+    for impl in ("fused", "foreach", "for-loop"):
+        model = _vit()
+        cfg = OptimConfig(lr=1e-2, implementation=impl)
+        opt = build_optimizer(model, cfg)
+        assert opt.defaults["fused"] is (True if impl == "fused" else None)
+        assert opt.defaults["foreach"] is {"fused": None, "foreach": True, "for-loop": False}[impl]
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x, "image", "h"), y).backward()
+            opt.step()
+        finals[impl] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert OptimConfig().implementation == "fused"
+    moved = (finals["for-loop"] - torch.cat([p.flatten() for p in _vit().parameters()])).abs().max()
+    assert moved > 1e-3  # the steps did change the weights
+    for impl in ("fused", "foreach"):
+        # the same AdamW: entries agree to float rounding, except where a gradient is ~eps-sized and the
+        # rounding of m / (√v + eps) shows (a step moves an entry by at most ~LR, so never more than that)
+        diff = (finals[impl] - finals["for-loop"]).abs()
+        assert diff.max() < 1e-2 and diff.median() < 1e-7 and (diff > 1e-6).float().mean() < 0.01
+    with pytest.raises(ValueError, match=r"apex.*choose fused \| foreach \| for-loop"):
+        OptimConfig(implementation="apex")

@@ -212,7 +212,7 @@ def ct2_decoder_to_mmformer(variables: dict[str, Tensor], config: dict) -> dict[
 def whisper_prompt(tokenizer: TextTokenizer, config: dict, language: str = "en") -> list[int]:
     """The decoder prompt for transcription without timestamps: ``<|startoftranscript|>
     <|notimestamps|>`` (English-only models), with ``<|language|> <|transcribe|>`` between them for
-    multilingual ones. Raises ``ValueError`` for a language the vocabulary lacks."""
+    multilingual ones. Raises ``ValueError`` for a language or special token the vocabulary lacks."""
     tok = tokenizer.tokenizer
     ids = [tokenizer.bos_id]
     if config["n_vocab"] >= 51865:  # multilingual vocabularies add the language tokens
@@ -220,7 +220,10 @@ def whisper_prompt(tokenizer: TextTokenizer, config: dict, language: str = "en")
         if lang is None:
             raise ValueError(f"Whisper has no language token <|{language}|>")
         ids += [lang, tok.token_to_id("<|transcribe|>")]
-    return ids + [tok.token_to_id("<|notimestamps|>")]
+    no_timestamps = tok.token_to_id("<|notimestamps|>")
+    if no_timestamps is None or None in ids:
+        raise ValueError("this tokenizer lacks Whisper's special tokens (<|notimestamps|>, <|transcribe|>)")
+    return ids + [no_timestamps]
 
 
 def load_whisper(
