@@ -724,6 +724,15 @@ class ProjectorHeadConfig:
         _positive(self, "stack", "hidden")
 
 
+def _check_decoding(cfg) -> None:
+    """The checks shared by the tasks that decode text (``prefix_lm``, ``seq2seq``)."""
+    _positive(cfg, "beam_size", "max_new_tokens")
+    if cfg.main_metric not in (None, "wer", "cer", "exact_match"):
+        raise ValueError(f"main_metric={cfg.main_metric!r}; choose wer, cer or exact_match")
+    if cfg.weight < 0:
+        raise ValueError(f"weight must be >= 0, got {cfg.weight}")
+
+
 @dataclass
 class PrefixLMTaskConfig:
     """``tasks.<name>`` of kind ``prefix_lm``: captioning or speech recognition — the inputs
@@ -749,11 +758,7 @@ class PrefixLMTaskConfig:
     data: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _positive(self, "beam_size", "max_new_tokens")
-        if self.main_metric not in (None, "wer", "cer", "exact_match"):
-            raise ValueError(f"main_metric={self.main_metric!r}; choose wer, cer or exact_match")
-        if self.weight < 0:
-            raise ValueError(f"weight must be >= 0, got {self.weight}")
+        _check_decoding(self)
 
 
 @dataclass
@@ -777,11 +782,7 @@ class Seq2SeqTaskConfig:
     data: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _positive(self, "beam_size", "max_new_tokens")
-        if self.main_metric not in (None, "wer", "cer", "exact_match"):
-            raise ValueError(f"main_metric={self.main_metric!r}; choose wer, cer or exact_match")
-        if self.weight < 0:
-            raise ValueError(f"weight must be >= 0, got {self.weight}")
+        _check_decoding(self)
 
 
 # --------------------------------------------------------------------------- top-level sections

@@ -28,8 +28,19 @@ import torch
 from torch import Tensor
 
 from ..nn.attention import KVCache
+from ..nn.tokens import Tokens
 
 Step = Callable[[Tensor, int], Tensor]
+
+
+def text_tokens(embedding, ids: Tensor, valid: Tensor | None, start: int = 0) -> Tokens:
+    """``ids (B, L)`` through a ``TextEmbedding`` with positions counting from ``start`` (the text's first
+    token is position 0; a token decoded after ``start`` cached ones is position ``start``)."""
+    pos = None
+    if start:
+        pos = start + torch.arange(ids.shape[1], device=ids.device).view(1, -1, 1)
+        pos = pos.expand(*ids.shape, embedding.n_pos_axes)
+    return embedding(ids, valid=valid, positions=pos)
 
 
 def _suppressor(ids: Sequence[int], vocab: int, device) -> Tensor | None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..nn.attention import KVCache
 from ..nn.tokens import Tokens
-from .decoding import beam_search, greedy
+from .decoding import beam_search, greedy, text_tokens
 from .model import MultimodalModel
 
 
@@ -66,13 +66,7 @@ class EncoderDecoder:
         return replace(tokens, x=model.towers[self.tokenizer](tokens))
 
     def _text(self, model: MultimodalModel, ids: Tensor, valid: Tensor | None, start: int = 0) -> Tokens:
-        """Text Tokens whose positions count from ``start`` (the first text token is position 0)."""
-        emb = model.tokenizers[self.text_tokenizer]
-        pos = None
-        if start:
-            pos = start + torch.arange(ids.shape[1], device=ids.device).view(1, -1, 1)
-            pos = pos.expand(*ids.shape, emb.n_pos_axes)
-        return emb(ids, valid=valid, positions=pos)
+        return text_tokens(model.tokenizers[self.text_tokenizer], ids, valid, start)
 
     def decode(
         self, model: MultimodalModel, context: Tokens, ids: Tensor, valid: Tensor | None = None

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..nn.attention import KVCache
 from ..nn.tokens import Tokens, cat_tokens
-from .decoding import beam_search, greedy
+from .decoding import beam_search, greedy, text_tokens
 from .model import MultimodalModel
 
 
@@ -76,12 +76,7 @@ class PrefixLM:
 
     def _text(self, model: MultimodalModel, ids: Tensor, valid: Tensor | None, start: int = 0) -> Tokens:
         """Text Tokens; the text tokenizer's own positions count from ``start`` (its first token = 0)."""
-        emb = model.tokenizers[self.caption_tokenizer]
-        pos = None
-        if start:
-            pos = torch.full((*ids.shape, emb.n_pos_axes), start, dtype=torch.long, device=ids.device)
-            pos = pos + torch.arange(ids.shape[1], device=ids.device).view(1, -1, 1)
-        return emb(ids, valid=valid, positions=pos)
+        return text_tokens(model.tokenizers[self.caption_tokenizer], ids, valid, start)
 
     @staticmethod
     def _n_axes(model: MultimodalModel) -> int:

@@ -85,20 +85,31 @@ def ct2_to_mmformer(variables: dict[str, Tensor], config: dict) -> dict[str, Ten
         out[f"tokenizers.audio.{c}.weight"] = v[f"encoder/{c}/weight"]
         out[f"tokenizers.audio.{c}.bias"] = v[f"encoder/{c}/bias"]
     for i in range(config["n_layers"]):
-        ct, mm = f"encoder/layer_{i}/", f"backbone.blocks.{i}."
-        out[mm + "norm1.weight"] = v[ct + "self_attention/layer_norm/gamma"]
-        out[mm + "norm1.bias"] = v[ct + "self_attention/layer_norm/beta"]
-        out[mm + "norm2.weight"] = v[ct + "ffn/layer_norm/gamma"]
-        out[mm + "norm2.bias"] = v[ct + "ffn/layer_norm/beta"]
-        for ct_name, mm_name in (
-            ("self_attention/linear_0", "attn.qkv"),
-            ("self_attention/linear_1", "attn.proj"),
-            ("ffn/linear_0", "mlp.fc1"),
-            ("ffn/linear_1", "mlp.fc2"),
-        ):
-            out[mm + mm_name + ".weight"] = v[ct + ct_name + "/weight"]
-            out[mm + mm_name + ".bias"] = v[ct + ct_name + "/bias"]
+        _map_block(
+            out,
+            v,
+            f"encoder/layer_{i}/",
+            f"backbone.blocks.{i}.",
+            {"self_attention/layer_norm": "norm1", "ffn/layer_norm": "norm2"},
+            {
+                "self_attention/linear_0": "attn.qkv",
+                "self_attention/linear_1": "attn.proj",
+                "ffn/linear_0": "mlp.fc1",
+                "ffn/linear_1": "mlp.fc2",
+            },
+        )
     return out
+
+
+def _map_block(out: dict, v: dict, ct: str, mm: str, norms: dict[str, str], linears: dict[str, str]) -> None:
+    """Copy one block's LayerNorms (CTranslate2 ``gamma``/``beta`` → ``weight``/``bias``) and linear
+    layers from CTranslate2 prefix ``ct`` to mmformer prefix ``mm``."""
+    for ct_name, mm_name in norms.items():
+        out[mm + mm_name + ".weight"] = v[ct + ct_name + "/gamma"]
+        out[mm + mm_name + ".bias"] = v[ct + ct_name + "/beta"]
+    for ct_name, mm_name in linears.items():
+        out[mm + mm_name + ".weight"] = v[ct + ct_name + "/weight"]
+        out[mm + mm_name + ".bias"] = v[ct + ct_name + "/bias"]
 
 
 def is_whisper_ct2(path: Path) -> bool:
@@ -187,25 +198,26 @@ def ct2_decoder_to_mmformer(variables: dict[str, Tensor], config: dict) -> dict[
         "backbone.norm.bias": v["decoder/layer_norm/beta"],
     }
     for i in range(config["n_text_layers"]):
-        ct, mm = f"decoder/layer_{i}/", f"backbone.blocks.{i}."
-        for ct_norm, mm_norm in (
-            ("self_attention/layer_norm", "norm1"),
-            ("attention/layer_norm", "norm_cross"),
-            ("ffn/layer_norm", "norm2"),
-        ):
-            out[mm + mm_norm + ".weight"] = v[ct + ct_norm + "/gamma"]
-            out[mm + mm_norm + ".bias"] = v[ct + ct_norm + "/beta"]
-        for ct_name, mm_name in (
-            ("self_attention/linear_0", "attn.qkv"),
-            ("self_attention/linear_1", "attn.proj"),
-            ("attention/linear_0", "cross_attn.q"),
-            ("attention/linear_1", "cross_attn.kv"),
-            ("attention/linear_2", "cross_attn.proj"),
-            ("ffn/linear_0", "mlp.fc1"),
-            ("ffn/linear_1", "mlp.fc2"),
-        ):
-            out[mm + mm_name + ".weight"] = v[ct + ct_name + "/weight"]
-            out[mm + mm_name + ".bias"] = v[ct + ct_name + "/bias"]
+        _map_block(
+            out,
+            v,
+            f"decoder/layer_{i}/",
+            f"backbone.blocks.{i}.",
+            {
+                "self_attention/layer_norm": "norm1",
+                "attention/layer_norm": "norm_cross",
+                "ffn/layer_norm": "norm2",
+            },
+            {
+                "self_attention/linear_0": "attn.qkv",
+                "self_attention/linear_1": "attn.proj",
+                "attention/linear_0": "cross_attn.q",
+                "attention/linear_1": "cross_attn.kv",
+                "attention/linear_2": "cross_attn.proj",
+                "ffn/linear_0": "mlp.fc1",
+                "ffn/linear_1": "mlp.fc2",
+            },
+        )
     return out
 
 
