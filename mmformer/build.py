@@ -113,6 +113,7 @@ from .training.freeze import FreezePretrained
 from .training.fsdp2 import FSDP2Strategy
 from .training.loggers import build_loggers
 from .training.runs import Run, RunFolder
+from .training.sharded_ema import ShardedEMAWeights
 
 
 # --------------------------------------------------------------------------- built-in components
@@ -685,14 +686,22 @@ def build_audio_caption(cfg: AudioCaptionDataConfig, task, recipe: RecipeConfig)
 
 @register("dataset", "shards", ShardsDataConfig)
 def build_shards(cfg: ShardsDataConfig, task, recipe: RecipeConfig):
-    from torch.utils.data import default_collate
-
     from .data.audio import collate_audio
     from .data.collate import collate_classification
     from .data.image import _preprocess
+    from .data.packed_shards import collate_text, packed_text_stream
     from .data.shards import audio_decoder, image_decoder, shards_data, text_decoder
 
     tok = recipe.model.tokenizers[task.tokenizer]
+    if cfg.pack and task.kind not in ("causal_lm", "masked_lm"):
+        raise RecipeError(
+            f"data.pack packs text shards for causal_lm / masked_lm, not a {task.kind} task: remove it"
+        )
+    if cfg.label_key and not (task.kind == "contrastive" and tokenizer_modality(tok) == "image"):
+        raise RecipeError(
+            "data.label_key (zero-shot classes) applies to image_caption shards of a contrastive task"
+        )
+    packed = None
     if task.kind == "classification" and tokenizer_modality(tok) == "image":
         train, val = _preprocess(cfg, image_spec(tok))
         decoders = {"image": (image_decoder(train), image_decoder(val), collate_classification)}
@@ -700,15 +709,56 @@ def build_shards(cfg: ShardsDataConfig, task, recipe: RecipeConfig):
         train, val = _audio_preprocess(tok)
         decoders = {"audio": (audio_decoder(train), audio_decoder(val), collate_audio)}
     elif task.kind in ("causal_lm", "masked_lm"):
-        text = text_decoder(text_tokenizer(recipe, task.tokenizer), cfg.seq_len)
-        decoders = {"text": (text, text, default_collate)}
+        text_tok = text_tokenizer(recipe, task.tokenizer)
+        text = text_decoder(text_tok, cfg.seq_len)
+        decoders = {"text": (text, text, collate_text)}
+        if cfg.pack:
+            packed = functools.partial(packed_text_stream, tokenizer=text_tok, seq_len=cfg.seq_len)
+    elif task.kind in ("contrastive", "prefix_lm", "seq2seq"):
+        decoders = _caption_shard_decoders(cfg, task, recipe)
     else:
         raise RecipeError(
-            "data.kind: shards is read by classification (image, audio), causal_lm and masked_lm tasks, not "
-            f"{task.kind}"
+            "data.kind: shards is read by classification (image, audio), causal_lm, masked_lm, contrastive, "
+            f"prefix_lm and seq2seq tasks, not {task.kind}"
         )
     num_classes = _num_classes(task, recipe) if task.kind == "classification" else None
-    return shards_data(cfg, task.kind, decoders, recipe.seed, num_classes)
+    return shards_data(cfg, task.kind, decoders, recipe.seed, num_classes, packed)
+
+
+def _caption_shard_decoders(cfg: ShardsDataConfig, task, recipe: RecipeConfig) -> dict:
+    """``{modality: (train decode, val decode, collate)}`` of the caption shards this task reads: the
+    items and batches of ``image_caption`` / ``audio_caption`` data."""
+    from .data.audio_caption import collate_audio_captions
+    from .data.caption_shards import audio_caption_decoder, image_caption_decoder
+    from .data.image_caption import collate_captions
+    from .tokenizers.image import ImagePreprocess
+
+    tok = recipe.model.tokenizers[task.tokenizer]
+    captions = text_tokenizer(recipe, task.caption_tokenizer)
+    if tokenizer_modality(tok) == "image":
+        spec = image_spec(tok)
+        classes = None
+        if cfg.label_key:
+            prompts = read_class_prompts(resolve_root(cfg.root), cfg.label_key)
+            classes = {c: i for i, c in enumerate(prompts)}
+        decode = image_caption_decoder(
+            ImagePreprocess(spec.image_size, spec.in_chans), captions, cfg.max_len, cfg.label_key, classes
+        )
+        collate = functools.partial(collate_captions, pad_id=captions.pad_id)
+        return {"image_caption": (decode, decode, collate)}
+    if tokenizer_modality(tok) == "audio":
+        train, val = _audio_preprocess(tok)
+        collate = functools.partial(collate_audio_captions, pad_id=captions.pad_id)
+        return {
+            "audio_caption": (
+                audio_caption_decoder(train, captions, cfg.max_len),
+                audio_caption_decoder(val, captions, cfg.max_len),
+                collate,
+            )
+        }
+    raise RecipeError(
+        f"caption shards pair images or audio with text; tokenizer {task.tokenizer!r} reads text"
+    )
 
 
 @register("dataset", "cifar10", CIFAR10DataConfig)
@@ -980,9 +1030,9 @@ def _pretrained_parts(recipe: RecipeConfig):
         raise RecipeError(
             "optim.freeze_pretrained_epochs freezes parts of kind pretrained; this model has none"
         )
-    if recipe.trainer.strategy not in ("auto", "ddp", "ddp_find_unused_parameters_true"):
+    if recipe.trainer.strategy not in ("auto", "ddp", "ddp_find_unused_parameters_true", "fsdp2"):
         raise RecipeError(
-            f"optim.freeze_pretrained_epochs works with DDP or one device, not trainer.strategy="
+            f"optim.freeze_pretrained_epochs works with DDP, FSDP2 or one device, not trainer.strategy="
             f"{recipe.trainer.strategy!r}"
         )
 
@@ -1027,7 +1077,10 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         if recipe.trainer.enable_progress_bar
         else []
     )
-    ema = [EMAWeights(recipe.optim.ema_decay)] if recipe.optim.ema_decay is not None else []
+    ema = []
+    if recipe.optim.ema_decay is not None:  # under FSDP2 each rank averages its own shard
+        sharded_ema = recipe.trainer.strategy == "fsdp2"
+        ema = [(ShardedEMAWeights if sharded_ema else EMAWeights)(recipe.optim.ema_decay)]
     freeze = []
     if recipe.optim.freeze_pretrained_epochs:
         freeze = [FreezePretrained(recipe.optim.freeze_pretrained_epochs, _pretrained_parts(recipe))]

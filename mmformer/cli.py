@@ -475,14 +475,25 @@ def cmd_data(args) -> int:
 
 
 def _shard(args) -> int:
+    from .data.caption_shards import CAPTION_MODALITIES, shard_captions
     from .data.roots import resolve_root
     from .data.shards import shard_folder, shard_text
 
     if not args.name or args.out is None:
-        raise UsageError("usage: mmformer data shard SOURCE --out DIR --modality image|audio|text")
+        modalities = "image|audio|text|image_caption|audio_caption"
+        raise UsageError(f"usage: mmformer data shard SOURCE --out DIR --modality {modalities}")
+    if args.tokenizer is not None and args.modality != "text":
+        raise UsageError("--tokenizer counts the tokens of text shards (--modality text) for packing")
     src = resolve_root(args.name)
     if args.modality == "text":
-        info = shard_text(src, args.out, args.val_fraction, args.seed, args.samples_per_shard)
+        tokenizer = None
+        if args.tokenizer is not None:
+            from .tokenizers.text import TextTokenizer
+
+            tokenizer = TextTokenizer.from_file(args.tokenizer)
+        info = shard_text(src, args.out, args.val_fraction, args.seed, args.samples_per_shard, tokenizer)
+    elif args.modality in CAPTION_MODALITIES:
+        info = shard_captions(src, args.out, args.modality, args.text_key, args.samples_per_shard)
     else:
         info = shard_folder(src, args.out, args.modality, args.samples_per_shard)
     for split, shards in info["splits"].items():
@@ -620,15 +631,19 @@ def _parser() -> argparse.ArgumentParser:
         "data",
         help="bundled datasets; WebDataset shards",
         description="prepare NAME: build a bundled dataset; list: the bundled datasets; shard SOURCE --out DIR "
-        "--modality image|audio|text: write WebDataset tar shards of a class folder (SOURCE/<split>/<class>/"
-        "<file>) or a text corpus, with an index.json that data.kind: shards reads.",
+        "--modality image|audio|text|image_caption|audio_caption: write WebDataset tar shards of a class "
+        "folder (SOURCE/<split>/<class>/<file>), a text corpus or caption manifests (SOURCE/<split>.jsonl, "
+        "as data.kind image_caption / audio_caption read), with an index.json that data.kind: shards reads.",
     )
     d.add_argument("action", choices=["prepare", "list", "shard"])
     d.add_argument("name", nargs="?", help="a bundled dataset name, or (shard) a source path or bundled name")
     d.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     d.add_argument("--out", type=Path, help="shard: the output folder")
     d.add_argument(
-        "--modality", choices=["image", "audio", "text"], default="image", help="shard: what SOURCE holds"
+        "--modality",
+        choices=["image", "audio", "text", "image_caption", "audio_caption"],
+        default="image",
+        help="shard: what SOURCE holds",
     )
     d.add_argument(
         "--samples-per-shard", type=_positive_int, default=1000, help="shard: samples per tar file"
@@ -637,6 +652,15 @@ def _parser() -> argparse.ArgumentParser:
         "--val-fraction", type=float, default=0.05, help="shard text: documents held out (as data.kind text)"
     )
     d.add_argument("--seed", type=int, default=0, help="shard text: the split's seed (the recipe's seed)")
+    d.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="shard text: a tokenizer.json (the recipe's); each shard's token count is stored for data.pack",
+    )
+    d.add_argument(
+        "--text-key", default=None, help="shard captions: the manifest field of the caption (caption / text)"
+    )
     d.set_defaults(fn=cmd_data)
     return p
 

@@ -212,9 +212,13 @@ class ImageFolderDataConfig:
 
 @dataclass
 class ShardsDataConfig:
-    """``tasks.<name>.data`` of kind ``shards``: WebDataset tar shards written by ``mmformer data shard``
-    (images or audio with class labels for classification, documents for a causal LM); read per rank and
-    per data-loader worker through a shuffling buffer (``mmformer.data.shards``)."""
+    """``tasks.<name>.data`` of kind ``shards``: WebDataset tar shards written by ``mmformer data shard``,
+    read per rank and per data-loader worker through a shuffling buffer (``mmformer.data.shards``):
+    images or audio with class labels (classification); documents (causal_lm, masked_lm: one padded
+    document per sample, or with ``pack`` full windows as ``data.kind: text``, ``packed_shards``);
+    image–caption or audio–transcript pairs (contrastive, prefix_lm, seq2seq: the items and batches of
+    ``data.kind: image_caption`` / ``audio_caption``, ``caption_shards``; the caption tokenizer needs a
+    ``path``). ``val_split`` is the split's name in the index: ``test`` for shards of ``asterisk-speech``."""
 
     kind: str = "shards"
     root: str = MISSING
@@ -224,12 +228,16 @@ class ShardsDataConfig:
     val_batch_size: Optional[int] = None
     num_workers: int = 2
     shuffle_buffer: int = 1000  # samples held for shuffling, per worker
-    seq_len: int = 256  # text: tokens per document (truncated, padded)
-    crop_padding: int = 0  # image training augmentation
+    seq_len: int = 256  # text: tokens per document (truncated, padded) or per packed window
+    pack: bool = False  # text: pack documents into full seq_len windows with document ids (training)
+    max_len: int = 32  # captions: tokens, BOS/EOS included, longer ones cut (audio_caption's default is 48)
+    label_key: Optional[str] = None  # image captions: the row field naming each item's zero-shot class,
+    # with its prompts in <root>/<label_key>.json (copied there by `mmformer data shard`)
+    crop_padding: int = 0  # image classification training augmentation
     hflip: bool = False
 
     def __post_init__(self) -> None:
-        _positive(self, "batch_size", "val_batch_size", "shuffle_buffer", "seq_len")
+        _positive(self, "batch_size", "val_batch_size", "shuffle_buffer", "seq_len", "max_len")
         if self.num_workers < 0 or self.crop_padding < 0:
             raise ValueError("num_workers and crop_padding must be >= 0")
 
@@ -1213,10 +1221,10 @@ def _check_references(recipe: RecipeConfig) -> None:
                 "'multitask.same_task_on_all_ranks: false' would hang under trainer.strategy: fsdp2: every "
                 "rank gathers each block's weights together, so all ranks must run the same task"
             )
-        if recipe.optim.ema_decay is not None or recipe.optim.freeze_pretrained_epochs:
+        if recipe.optim.ema_decay is not None and recipe.checkpoint.sharded:
             raise RecipeError(
-                "optim.ema_decay and optim.freeze_pretrained_epochs work with DDP or one device, not "
-                "trainer.strategy: fsdp2"
+                "optim.ema_decay with checkpoint.sharded: true is not supported (the average is kept per "
+                "shard but written only into whole checkpoints): set checkpoint.sharded=false"
             )
 
     for name in recipe.model.resamplers:

@@ -113,6 +113,8 @@ def collate_captions(samples: list[dict], pad_id: int) -> dict:
     }
     if "label" in samples[0]:
         batch["label"] = torch.tensor([s["label"] for s in samples], dtype=torch.long)
+    if "bad_samples" in samples[0]:  # shards: the unreadable samples skipped (``BadSampleReport``)
+        batch["bad_samples"] = [p for s in samples for p in s["bad_samples"]]
     return batch
 
 

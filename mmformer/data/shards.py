@@ -2,11 +2,15 @@
 
 A shard folder holds ``<split>-000000.tar`` … (WebDataset's format: the files of one sample share a key,
 ``000123.png`` + ``000123.cls``; written and read with the ``webdataset`` library) and ``index.json``
-(the format, the modality, class names and each shard's sample count). Sample files by modality:
+(the format, the modality, class names, each shard's sample count and, for text sharded with
+``--tokenizer``, each shard's token count). Sample files by modality:
 
 - ``image``: the original image bytes (``.png``, ``.jpg``, …) and ``.cls`` (class index);
 - ``audio``: the original audio bytes (``.wav``, ``.flac``, …) and ``.cls``;
-- ``text``: ``.txt``, one document.
+- ``text``: ``.txt``, one document (packed into ``seq_len`` windows with ``data.pack: true``:
+  ``packed_shards``);
+- ``image_caption`` / ``audio_caption``: the media bytes, ``.txt`` (the caption) and ``.cid`` (its
+  caption id), for the contrastive, prefix-LM and encoder–decoder tasks (``caption_shards``).
 
 ``ShardStream`` reads them as an ``IterableDataset``. Training: every epoch the shard order is shuffled
 from ``(seed, epoch)`` and dealt out by rank, then by data-loader worker (WebDataset's ``split_by_node``
@@ -22,6 +26,7 @@ the samples its workers had already delivered.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import random
@@ -103,9 +108,13 @@ def shard_folder(src: Path, out: Path, modality: str, samples_per_shard: int = 1
     return info
 
 
-def shard_text(src: Path, out: Path, val_fraction: float, seed: int, samples_per_shard: int = 1000) -> dict:
+def shard_text(
+    src: Path, out: Path, val_fraction: float, seed: int, samples_per_shard: int = 1000, tokenizer=None
+) -> dict:
     """Shard a text corpus (blank-line separated documents), one document per sample, split into train
-    / val by document exactly as ``data.kind: text`` splits it (``val_fraction``, ``seed``)."""
+    / val by document exactly as ``data.kind: text`` splits it (``val_fraction``, ``seed``). With a
+    ``tokenizer`` (a ``TextTokenizer``) the index also holds each shard's token count under ``tokens``,
+    which sizes packed epochs (``data.pack: true``) without a counting pass at training time."""
     from .text import corpus_split
 
     docs, train, val = corpus_split(Path(src), val_fraction, seed)
@@ -113,6 +122,13 @@ def shard_text(src: Path, out: Path, val_fraction: float, seed: int, samples_per
     for split, ids in (("train", train), ("val", val)):
         samples = ({"txt": docs[int(i)]} for i in ids)
         info["splits"][split] = write_shards(samples, out, split, samples_per_shard)
+    if tokenizer is not None:
+        from .packed_shards import count_tokens, tokenizer_digest
+
+        info["tokens"] = {
+            "tokenizer": tokenizer_digest(tokenizer),
+            "splits": {split: count_tokens(out, sh, tokenizer) for split, sh in info["splits"].items()},
+        }
     (out / INDEX).write_text(json.dumps(info, indent=1))
     return info
 
@@ -193,6 +209,18 @@ class ShardStream(IterableDataset):
     def __len__(self) -> int:
         return self.per_rank
 
+    def __getitem__(self, i: int) -> dict:
+        """Sample ``i`` of the split in file order (the same on every rank), decoded: for the few items
+        media callbacks show (``TextSamples``' prompts). Reads its shard from the start. Raises
+        ``IndexError`` past the end."""
+        start = 0
+        for name, n in self.shards:
+            if 0 <= i - start < n:
+                raw = next(itertools.islice(_samples(self.root / name), i - start, None))
+                return {"bad_samples": [], **self.decode(raw)}
+            start += n
+        raise IndexError(f"sample {i} of a split of {start}")
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
@@ -219,21 +247,25 @@ class ShardStream(IterableDataset):
         batches = self.per_rank // self.batch_size
         return (batches // workers + (1 if worker < batches % workers else 0)) * self.batch_size
 
-    def _train(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
+    def _deal(self, workers: int, worker: int, skip: int) -> tuple[list[int], int, int, random.Random]:
+        """This epoch's ``(shards of this worker, its quota, items of it to skip, its generator)``."""
         order = list(range(len(self.shards)))
         random.Random(hash((self.seed, self.epoch))).shuffle(order)
         mine = [s for i, s in enumerate(order) if i % self.world == self.rank] or [
             order[self.rank % len(order)]
         ]
         mine = [s for i, s in enumerate(mine) if i % workers == worker] or [mine[worker % len(mine)]]
-        quota = self._quota(workers, worker)
-        # the loader takes batches from workers in turn: the first ``skip`` samples of this rank are
+        # the loader takes batches from workers in turn: the first ``skip`` items of this rank are
         # the first batches of each worker, dealt round-robin
         skipped_batches = skip // self.batch_size
         own_skip = (
             skipped_batches // workers + (1 if worker < skipped_batches % workers else 0)
         ) * self.batch_size
         rng = random.Random(hash((self.seed, self.epoch, self.rank, worker)))
+        return mine, self._quota(workers, worker), own_skip, rng
+
+    def _train(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
+        mine, quota, own_skip, rng = self._deal(workers, worker, skip)
         delivered, bad = 0, []
         while True:  # passes over this worker's shards; a worker that runs short starts another
             for pick in _buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
@@ -283,11 +315,12 @@ def _buffer_shuffled(samples: Iterator[dict], size: int, rng: random.Random) -> 
 # --------------------------------------------------------------------------- decoding per modality
 MEDIA = {
     "image": (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"),
-    "audio": (".wav", ".flac", ".ogg", ".mp3"),
+    "audio": (".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"),
 }
 
 
-def _media(raw: dict, modality: str) -> bytes:
+def media_bytes(raw: dict, modality: str) -> bytes:
+    """The bytes of the sample's ``modality`` file (any extension of ``MEDIA``); raises ``DataError``."""
     for ext in MEDIA[modality]:
         if ext[1:] in raw:
             return raw[ext[1:]]
@@ -300,7 +333,7 @@ def image_decoder(transform) -> Callable[[dict], dict]:
     def decode(raw: dict) -> dict:
         from PIL import Image
 
-        with Image.open(io.BytesIO(_media(raw, "image"))) as im:
+        with Image.open(io.BytesIO(media_bytes(raw, "image"))) as im:
             im.load()
             pixels = transform.load(im)
         return {"image": transform.augment(pixels), "label": int(raw["cls"])}
@@ -312,7 +345,7 @@ def audio_decoder(preprocess) -> Callable[[dict], dict]:
     """Raw sample → ``{"audio", "label", "path"}`` through the audio tokenizer's data side."""
 
     def decode(raw: dict) -> dict:
-        wave = preprocess.load(io.BytesIO(_media(raw, "audio")))
+        wave = preprocess.load(io.BytesIO(media_bytes(raw, "audio")))
         return {"audio": wave, "label": int(raw["cls"]), "path": f"{raw['__url__']}:{raw['__key__']}"}
 
     return decode
@@ -334,11 +367,17 @@ def text_decoder(tokenizer, seq_len: int) -> Callable[[dict], dict]:
 
 
 def shards_data(
-    cfg, task_kind: str, decoders: dict[str, Callable], seed: int, num_classes: int | None = None
+    cfg,
+    task_kind: str,
+    decoders: dict[str, Callable],
+    seed: int,
+    num_classes: int | None = None,
+    packed: Callable | None = None,
 ):
     """``TaskData`` for ``data.kind: shards``: ``decoders`` maps the index's modality to ``(train decode,
-    val decode, collate)``. Raises ``DataError`` for a modality this task cannot read or a class count
-    that differs from the head's."""
+    val decode, collate)``; ``packed(root, info, split, batch_size=, seed=, shuffle_buffer=)``, when
+    given, builds the training stream instead (packed text windows, ``packed_shards``). Raises
+    ``DataError`` for a modality this task cannot read or a class count that differs from the head's."""
     from .datamodule import TaskData
     from .roots import resolve_root
 
@@ -346,8 +385,10 @@ def shards_data(
     info = read_index(root)
     modality = info["modality"]
     if modality not in decoders:
+        wanted = " or ".join(decoders)
         raise DataError(
-            f"{root} holds {modality} shards; a {task_kind} task here reads {', '.join(decoders)}"
+            f"{root} holds {modality} shards; a {task_kind} task here reads {wanted} shards (write them "
+            f"with `mmformer data shard SRC --out DIR --modality {next(iter(decoders))}`)"
         )
     if num_classes is not None and len(info["classes"]) != num_classes:
         raise DataError(
@@ -359,10 +400,14 @@ def shards_data(
     train_decode, val_decode, collate = decoders[modality]
     val_batch = cfg.val_batch_size or cfg.batch_size
     common = {"seed": seed, "shuffle_buffer": cfg.shuffle_buffer}
-    return TaskData(
-        train=ShardStream(
+    if packed is not None:
+        train = packed(root, info, cfg.train_split, batch_size=cfg.batch_size, **common)
+    else:
+        train = ShardStream(
             root, info["splits"][cfg.train_split], train_decode, True, cfg.batch_size, **common
-        ),
+        )
+    return TaskData(
+        train=train,
         val=ShardStream(root, info["splits"][cfg.val_split], val_decode, False, val_batch, **common),
         collate=collate,
         batch_size=cfg.batch_size,

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..nn.attention import Attention, AttentionInputs, KVCache
 from ..nn.blocks import AdaLNBlock, Block, CrossAttentionBlock, PostNormBlock
 from ..nn.conformer import ConformerBlock
+from ..nn.layout import decode_layout, train_layout
 from ..nn.masks import MaskSpec, bigbird_layout
 from ..nn.mlp import build_mlp
 from ..nn.norms import build_norm
@@ -113,6 +114,18 @@ class Backbone(nn.Module):
             if m is not self and hasattr(m, "init_weights"):
                 m.init_weights()
 
+    _decode_layout = False  # True while the blocks' weights are stored column-major (for_decoding)
+
+    def for_decoding(self) -> None:
+        """Store the blocks' CPU linear weights column-major (``mmformer.nn.layout``: the same values, a
+        faster layout for the few rows of KV-cache decoding). Blocks compiled with ``torch.compile`` keep
+        their layout (a new one would recompile them). Undone by the first forward that trains or
+        records gradients."""
+        for block in self.blocks:
+            if not getattr(block, "_mmformer_compiled", False):
+                decode_layout(block)
+        self._decode_layout = True
+
     def set_attn_kernel(self, kernel: str) -> None:
         """Switch every attention kernel (``eager`` to count FLOPs, ``sdpa`` to train, …)."""
         for m in self.modules():
@@ -137,6 +150,9 @@ class Backbone(nn.Module):
             span: explicit bidirectional span ids ``(B, N)`` (prefix-LM over text); default from
                 ``bidirectional_modalities``.
         """
+        if self._decode_layout and (self.training or torch.is_grad_enabled()):
+            train_layout(self)  # gradients, DDP buckets and the optimizer expect row-major weights
+            self._decode_layout = False
         past = cache.length if cache is not None else 0
         valid, document, positions = tokens.valid, tokens.document, tokens.positions
         if span is None:

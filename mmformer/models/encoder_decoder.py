@@ -115,7 +115,7 @@ class EncoderDecoder:
         if beam_size < 1 or max_new_tokens < 1:
             raise ValueError(f"beam_size and max_new_tokens must be >= 1, got {beam_size}, {max_new_tokens}")
         self.check(model)
-        model.eval()
+        model.for_decoding()
         prompt = [prompt] if isinstance(prompt, int) else list(prompt)
         max_len = getattr(model.tokenizers[self.text_tokenizer], "max_len", None)
         if max_len is not None:

@@ -62,7 +62,7 @@ def generate(
     With learned absolute positions (``max_len``) the continuation stops at the end of the context.
     Raises ``ValueError`` for an empty prompt or a prompt that already fills the context.
     """
-    model.eval()
+    model.for_decoding()
     lengths = valid.sum(dim=1)
     if ids.shape[1] == 0 or bool((lengths == 0).any()):
         raise ValueError("every prompt needs at least one token")

@@ -141,7 +141,7 @@ class PrefixLM:
         """
         if beam_size < 1 or max_new_tokens < 1:
             raise ValueError(f"beam_size and max_new_tokens must be >= 1, got {beam_size}, {max_new_tokens}")
-        model.eval()
+        model.for_decoding()
         max_len = getattr(model.tokenizers[self.caption_tokenizer], "max_len", None)
         if max_len is not None:
             max_new_tokens = min(max_new_tokens, max_len - 1)

@@ -20,9 +20,30 @@ def _text_tokens(task_batch: dict) -> int:
 
 
 def sharded(pl_module) -> bool:
-    """True under FSDP2: the weights live in shards on every rank, so rank 0 cannot run the model alone
-    (media samples are not written there yet)."""
+    """True under FSDP2: the weights live in shards on every rank, so rank 0 cannot run the model alone."""
     return getattr(pl_module, "device_mesh", None) is not None
+
+
+def _skip_media(trainer, pl_module) -> bool:
+    """Media callbacks run the model on rank 0 alone, except under FSDP2, where every rank must take
+    part in each block's all-gather: there all ranks run it (same inputs, same seeds, so the same
+    number of forwards) and rank 0 alone writes and logs."""
+    return trainer.sanity_checking or not (trainer.is_global_zero or sharded(pl_module))
+
+
+def _as_forward(pl_module, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in evaluation mode without gradients, run through the LightningModule's
+    ``forward`` (under FSDP2 the root unit: tokenizer / head weights are gathered around it); the
+    training mode is restored afterwards."""
+    import torch
+
+    was_training = pl_module.training
+    pl_module.eval()
+    try:
+        with torch.no_grad():
+            return pl_module(fn, *args, **kwargs)
+    finally:
+        pl_module.train(was_training)
 
 
 class _Rate:
@@ -229,7 +250,7 @@ class TextSamples(L.Callback):
         self.last: dict[str, list[tuple[str, str]]] = {}
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero or sharded(pl_module):
+        if _skip_media(trainer, pl_module):
             return
         from lightning.pytorch.loggers import WandbLogger
 
@@ -251,8 +272,9 @@ class TextSamples(L.Callback):
             if not prompts:
                 continue
             ids, valid = tok.pad_batch(prompts, side="left")
-            was_training = pl_module.training
-            outs = generate(
+            outs = _as_forward(
+                pl_module,
+                generate,
                 pl_module.model,
                 task.tokenizer,
                 task.head,
@@ -261,7 +283,8 @@ class TextSamples(L.Callback):
                 self.max_new_tokens,
                 tok.eos_id,
             )
-            pl_module.train(was_training)
+            if not trainer.is_global_zero:
+                continue
             rows = [(tok.decode(p), tok.decode(o)) for p, o in zip(prompts, outs)]
             self.last[name] = rows
             for lg in trainer.loggers:
@@ -283,7 +306,7 @@ class DecodedSamples(L.Callback):
         self.last: dict[str, list[tuple[str, str]]] = {}
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero or sharded(pl_module):
+        if trainer.sanity_checking or not trainer.is_global_zero:  # reads the tasks' examples; runs no model
             return
         from lightning.pytorch.loggers import WandbLogger
 
@@ -312,7 +335,7 @@ class AudioSamples(L.Callback):
         self.last: dict[str, list[tuple[str, str, str, float]]] = {}
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero or sharded(pl_module):
+        if _skip_media(trainer, pl_module):
             return
         import torch
         from lightning.pytorch.loggers import WandbLogger
@@ -326,14 +349,14 @@ class AudioSamples(L.Callback):
             classes = getattr(val, "classes", None) or [str(i) for i in range(task.num_classes)]
             items = [val[i] for i in range(min(self.n, len(val)))]
             batch = collate_audio(items)
-            was_training = pl_module.training
-            pl_module.eval()
-            with torch.no_grad():
-                logits = task.logits(
-                    pl_module.model,
-                    {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()},
-                )
-            pl_module.train(was_training)
+            logits = _as_forward(
+                pl_module,
+                task.logits,
+                pl_module.model,
+                {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()},
+            )
+            if not trainer.is_global_zero:
+                continue
             prob, pred = logits.float().softmax(-1).max(-1)
             rows = [
                 (it["path"], classes[it["label"]], classes[int(p)], round(float(q), 3))
@@ -406,7 +429,7 @@ class DiffusionSamples(L.Callback):
         self.last: dict[str, str] = {}  # task → PNG path
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero or sharded(pl_module):
+        if _skip_media(trainer, pl_module):
             return
         from pathlib import Path
 
@@ -435,7 +458,9 @@ class DiffusionSamples(L.Callback):
             model = ema.average.model if ema is not None and ema.average is not None else pl_module.model
             generator = torch.Generator(pl_module.device).manual_seed(self.seed)
             conditional = labels is not None or captions is not None
-            images = task.sample(
+            images = _as_forward(
+                pl_module,
+                task.sample,
                 model,
                 labels,
                 n=self.n,
@@ -444,6 +469,8 @@ class DiffusionSamples(L.Callback):
                 generator=generator,
                 captions=captions,
             )
+            if not trainer.is_global_zero:
+                continue
             grid = make_grid((images.float().cpu() + 1) / 2, nrow=per_class if conditional else 8, padding=1)
             out = Path(trainer.default_root_dir) / "samples" / f"{name}-step{trainer.global_step:06d}.png"
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import lightning as L
+import torch
 from torch import nn
 
 log = logging.getLogger("mmformer")
@@ -20,6 +21,9 @@ class FreezePretrained(L.Callback):
     no gradient, which AdamW skips (no update, no weight decay). Parameters that were frozen already
     (LoRA, ``freeze_layers``) stay frozen. A run resumed inside the frozen stage freezes again.
     Under DDP, use ``trainer.strategy: ddp_find_unused_parameters_true`` (the builder insists).
+    Under FSDP2 a gathered (unsharded) weight keeps the ``requires_grad`` it had at its first gather, so
+    the backward may still compute a frozen part's gradient: it is dropped before the optimizer step
+    (and before gradient clipping), which leaves the part exactly as frozen.
     """
 
     def __init__(self, epochs: int, modules):
@@ -39,6 +43,30 @@ class FreezePretrained(L.Callback):
                 p.requires_grad_(True)
             log.info("epoch %d: pretrained parts unfrozen", trainer.current_epoch)
             self._frozen = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """FSDP2 loads AdamW's state strictly: a part frozen since the start has no state yet, so its fresh
+        state (step 0, zero moments — what AdamW creates at its first update) is written for it. Lightning
+        keys that state by the parameter's index in ``named_parameters()``."""
+        if not self._frozen or getattr(pl_module, "device_mesh", None) is None:
+            return
+        index = {id(p): i for i, (_, p) in enumerate(pl_module.named_parameters())}
+        for state in checkpoint.get("optimizer_states") or []:
+            if not state or "state" not in state:  # ranks other than 0 hold no full state
+                continue
+            for p in self._frozen:
+                i = index.get(id(p))
+                if i is not None and i not in state["state"]:
+                    zeros = torch.zeros(p.shape, dtype=p.dtype)
+                    state["state"][i] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": zeros,
+                        "exp_avg_sq": zeros.clone(),
+                    }
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        for p in self._frozen:
+            p.grad = None
 
     @property
     def frozen(self) -> bool:

@@ -1,0 +1,203 @@
+"""Packed training windows from text shards (``data: {kind: shards, pack: true}``), as ``data.kind: text``
+packs a corpus: documents, each tokenized and followed by ``eos``, concatenated and cut into windows of
+``seq_len`` tokens; ``text_document`` numbers the documents inside each window from 0 (a document cut by
+the window edge continues as document 0 of the next window), so attention never crosses documents.
+
+Sizing an epoch (every rank must take the same number of steps, known before the epoch starts): the
+number of tokens is known up front, per shard, for the recipe's tokenizer — written into ``index.json``
+by ``mmformer data shard --modality text --tokenizer PATH``, or otherwise counted once from the shards and
+cached as ``<root>/.cache/tokens-<tokenizer hash>-<split>.json``. With ``T`` tokens (``eos`` included)
+an epoch is ``W = T // seq_len`` windows and each rank takes ``(W // (world · batch_size)) · batch_size``
+of them (``len()``), in whole batches dealt to the data-loader workers as ``ShardStream`` deals samples.
+Each worker packs the documents of its own shards (dealt by rank and worker, buffer-shuffled, as
+``ShardStream``) within the worker and stops at its quota of windows.
+
+What an epoch leaves out: with one rank and one worker, exactly the last ``T - len · seq_len <
+batch_size · seq_len`` tokens of the shuffled stream; every other token is in exactly one window. With
+several ranks or workers each packs its own shards, whose token totals differ, so a worker with fewer
+tokens than its quota starts another pass over its shards (a few documents twice) and one with more
+leaves its tail for the next epoch (equal steps on every rank come first, as for samples).
+
+Validation is not packed: one padded document per sample (``bos`` + tokens + ``eos``, cut at
+``seq_len``), every document exactly once over the ranks, so the window count needs no estimate. A run
+resumed mid-epoch tokenizes, but does not yield, the windows its workers had already delivered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from .roots import DataError
+from .shards import ShardStream, _buffer_shuffled, _samples
+
+log = logging.getLogger("mmformer.data")
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """A short hash of the tokenizer's JSON: token counts are valid for this tokenizer only."""
+    return hashlib.sha256(tokenizer.to_json().encode("utf-8")).hexdigest()[:16]
+
+
+def document_encoder(tokenizer) -> Callable[[dict], list[int]]:
+    """Raw text sample → its token ids followed by ``eos`` (what ``PackedText`` packs per document)."""
+
+    def encode(raw: dict) -> list[int]:
+        text = raw["txt"].decode("utf-8") if isinstance(raw["txt"], bytes) else str(raw["txt"])
+        return [*tokenizer.encode(text), tokenizer.eos_id]
+
+    return encode
+
+
+def count_tokens(root: Path, shards: list[list], tokenizer) -> list[int]:
+    """Tokens (``eos`` included) of each shard's documents."""
+    encode = document_encoder(tokenizer)
+    return [sum(len(encode(raw)) for raw in _samples(Path(root) / name)) for name, _ in shards]
+
+
+def token_counts(root: Path, info: dict, split: str, tokenizer) -> list[int]:
+    """Per-shard token counts of ``split`` for ``tokenizer``: from ``index.json`` when it was written
+    with this tokenizer, else from the cache, else counted (one pass over the split) and cached."""
+    digest, shards = tokenizer_digest(tokenizer), info["splits"][split]
+    stored = info.get("tokens", {})
+    if stored.get("tokenizer") == digest and split in stored.get("splits", {}):
+        return list(stored["splits"][split])
+    cache = Path(root) / ".cache" / f"tokens-{digest}-{split}.json"
+    if cache.is_file():
+        cached = json.loads(cache.read_text())
+        if cached.get("shards") == [name for name, _ in shards]:
+            return cached["tokens"]
+    log.info(
+        "counting the tokens of %d %s shards once (to size packed epochs); `mmformer data shard "
+        "--tokenizer PATH` stores them in index.json",
+        len(shards),
+        split,
+    )
+    counts = count_tokens(root, shards, tokenizer)
+    try:  # a read-only shard folder: counted again next time
+        cache.parent.mkdir(exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")  # ranks may count at once
+        tmp.write_text(json.dumps({"shards": [name for name, _ in shards], "tokens": counts}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return counts
+
+
+class PackedShardStream(ShardStream):
+    """Training windows ``{"text": (seq_len,) long, "text_valid": (seq_len,) bool (all True),
+    "text_document": (seq_len,) long, "bad_samples": [shard:key, …]}`` packed from text shards.
+
+    Args:
+        root, shards: as ``ShardStream`` (the training split).
+        tokens: tokens of each shard (``eos`` included), for the epoch length (``token_counts``).
+        encode: raw sample → token ids + ``eos`` (``document_encoder``).
+        seq_len: tokens per window; the rest as ``ShardStream``.
+
+    Raises ``DataError`` when the shards cannot fill one batch of windows per rank.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        shards: list[list],
+        tokens: list[int],
+        encode: Callable[[dict], list[int]],
+        seq_len: int,
+        batch_size: int,
+        world: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        shuffle_buffer: int = 1000,
+    ):
+        if len(tokens) != len(shards):
+            raise DataError(f"{root}: {len(tokens)} token counts for {len(shards)} shards")
+        self.tokens, self.seq_len = tokens, seq_len
+        super().__init__(root, shards, encode, True, batch_size, world, rank, seed, shuffle_buffer)
+
+    def place(self, world: int, rank: int) -> None:
+        """Read as rank ``rank`` of ``world``: ``(T // seq_len // (world · batch)) · batch`` windows."""
+        self.world, self.rank = world, rank
+        windows = sum(self.tokens) // self.seq_len
+        self.per_rank = (windows // (world * self.batch_size)) * self.batch_size
+        if self.per_rank == 0:
+            raise DataError(
+                f"{self.root}: {sum(self.tokens)} training tokens make {windows} windows of seq_len="
+                f"{self.seq_len}, fewer than {world} rank(s) × batch_size {self.batch_size}"
+            )
+        if len(self.shards) % world:
+            log.warning(
+                "%s: %d training shards for %d ranks: ranks pack different numbers of tokens, so within an "
+                "epoch some documents are read twice and some not at all (equal steps come first)",
+                self.root,
+                len(self.shards),
+                world,
+            )
+
+    def _train(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
+        mine, quota, own_skip, rng = self._deal(workers, worker, skip)
+        n = self.seq_len
+        ids: list[int] = []
+        doc: list[int] = []
+        delivered, documents, bad = 0, 0, []
+        while delivered < quota:  # passes over this worker's shards; a worker that runs short starts another
+            before = documents
+            for pick in _buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
+                toks = self._decoded(pick)
+                if toks is None:
+                    bad.append(f"{pick.get('__url__')}:{pick.get('__key__')}")
+                    continue
+                ids += toks
+                doc += [documents] * len(toks)
+                documents += 1
+                at = 0
+                while len(ids) - at >= n and delivered < quota:
+                    if delivered >= own_skip:  # a resumed epoch: windows already trained are not yielded
+                        d = torch.tensor(doc[at : at + n], dtype=torch.long)
+                        yield {
+                            "text": torch.tensor(ids[at : at + n], dtype=torch.long),
+                            "text_valid": torch.ones(n, dtype=torch.bool),
+                            "text_document": d - d[0],
+                            "bad_samples": bad,
+                        }
+                        bad = []
+                    delivered, at = delivered + 1, at + n
+                if delivered >= quota:
+                    return
+                del ids[:at], doc[:at]
+            if documents == before:
+                raise DataError(
+                    f"{self.root}: no readable document in shards {[self.shards[s][0] for s in mine]}"
+                )
+            rng.shuffle(mine)
+
+
+def packed_text_stream(
+    root: Path, info: dict, split: str, tokenizer, seq_len: int, batch_size: int, **common
+):
+    """The training ``PackedShardStream`` of ``split`` (``common``: seed, shuffle_buffer)."""
+    return PackedShardStream(
+        root,
+        info["splits"][split],
+        token_counts(root, info, split, tokenizer),
+        document_encoder(tokenizer),
+        seq_len,
+        batch_size,
+        **common,
+    )
+
+
+def collate_text(samples: list[dict]) -> dict:
+    """``default_collate`` of text items (padded documents or packed windows), their ``bad_samples``
+    lists joined into one (default_collate cannot stack lists of different lengths)."""
+    from torch.utils.data import default_collate
+
+    bad = [p for s in samples for p in s.get("bad_samples", [])]
+    batch = default_collate([{k: v for k, v in s.items() if k != "bad_samples"} for s in samples])
+    return {**batch, "bad_samples": bad}
