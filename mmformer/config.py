@@ -1221,6 +1221,11 @@ def _check_references(recipe: RecipeConfig) -> None:
                 "'multitask.same_task_on_all_ranks: false' would hang under trainer.strategy: fsdp2: every "
                 "rank gathers each block's weights together, so all ranks must run the same task"
             )
+        if recipe.optim.freeze_pretrained_epochs and recipe.checkpoint.sharded:
+            raise RecipeError(
+                "optim.freeze_pretrained_epochs with checkpoint.sharded: true is not supported (a part frozen "
+                "since the start has no optimizer state to shard): set checkpoint.sharded=false"
+            )
         if recipe.optim.ema_decay is not None and recipe.checkpoint.sharded:
             raise RecipeError(
                 "optim.ema_decay with checkpoint.sharded: true is not supported (the average is kept per "

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .roots import DataError
-from .samplers import EvalShardSampler, LengthBuckets, ResumableShardSampler, start_part_way
+from .samplers import EvalShardSampler, EvenEvalBatches, LengthBuckets, ResumableShardSampler, start_part_way
 from .task_schedule import SampledTasks
 from .windows import AccumulationWindows
 
@@ -96,10 +96,28 @@ class MultiTaskDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
+    def _lockstep(self) -> bool:
+        """The model is sharded over several processes (FSDP2): every evaluation forward gathers weights
+        from all of them, so each must run the same number of batches."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size < 2:
+            return False
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return isinstance(trainer.strategy, ModelParallelStrategy)
+
     def _loader(self, d: TaskData, dataset: Dataset, train: bool) -> DataLoader:
         world, rank = self._world()
         if isinstance(dataset, IterableDataset):  # shards: the dataset splits itself by rank and worker
             dataset.place(world, rank)
+            if not train and self._lockstep() and hasattr(dataset, "eval_batches"):
+                counts = {dataset.eval_batches(r, d.num_workers) for r in range(world)}
+                if len(counts) > 1:  # a rank with a batch more would wait forever in its weight gather
+                    raise DataError(
+                        f"under FSDP2 every rank must run the same number of evaluation batches, but the "
+                        f"{dataset.root} evaluation shards give {sorted(counts)} batches per rank: choose a "
+                        "val_batch_size / num_workers / process count that evens them out, or reshard"
+                    )
             return DataLoader(
                 dataset,
                 batch_size=d.batch_size if train else d.val_batch_size,
@@ -116,6 +134,14 @@ class MultiTaskDataModule(L.LightningDataModule):
                 raise DataError(
                     f"the validation set has {len(dataset)} samples, fewer than the {world} "
                     "processes that share it"
+                )
+            if self._lockstep():  # a sharded model: the same number of evaluation forwards on every rank
+                try:
+                    batches = EvenEvalBatches(len(dataset), world, rank, d.val_batch_size)
+                except ValueError as e:
+                    raise DataError(f"{e}: raise val_batch_size or use fewer processes") from None
+                return DataLoader(
+                    dataset, batch_sampler=batches, num_workers=d.num_workers, collate_fn=d.collate
                 )
             sampler = EvalShardSampler(len(dataset), world, rank)
         if train and d.lengths is not None:  # length bucketing: the loader takes whole batches

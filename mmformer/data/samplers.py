@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -23,6 +24,37 @@ class EvalShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.length, self.num_replicas))
+
+
+class EvenEvalBatches(Sampler[list[int]]):
+    """``EvalShardSampler``'s indices for rank ``rank`` cut into the same number of batches on every rank:
+    ``K = ceil(ceil(length / world) / batch_size)`` batches of near-equal size (they differ by at most
+    one sample; none above ``batch_size``). Every sample is still read exactly once over the ranks.
+
+    Needed when the model is sharded (FSDP2): each evaluation forward gathers weights from every rank,
+    so a rank with one batch more than the others would wait for them forever.
+
+    Raises ``ValueError`` when a rank has fewer samples than ``K`` (a tiny set: lower the batch count
+    with a larger ``val_batch_size``, or use fewer processes).
+    """
+
+    def __init__(self, length: int, world: int, rank: int, batch_size: int):
+        self.indices = list(EvalShardSampler(length, world, rank))
+        self.num_batches = math.ceil(math.ceil(length / world) / batch_size)
+        if len(self.indices) < self.num_batches:
+            raise ValueError(
+                f"{length} evaluation samples over {world} processes cannot give every process "
+                f"{self.num_batches} batches of at most {batch_size}"
+            )
+
+    def __iter__(self) -> Iterator[list[int]]:
+        n, k = len(self.indices), self.num_batches
+        bounds = [i * n // k for i in range(k + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            yield self.indices[a:b]
+
+    def __len__(self) -> int:
+        return self.num_batches
 
 
 class ResumableShardSampler(DistributedSampler):

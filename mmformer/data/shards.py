@@ -209,6 +209,15 @@ class ShardStream(IterableDataset):
     def __len__(self) -> int:
         return self.per_rank
 
+    def eval_batches(self, rank: int, workers: int) -> int:
+        """Evaluation batches rank ``rank`` reads with ``workers`` loader workers (each worker batches its
+        own shards' samples; ``max(1, workers)``)."""
+        workers, start, counts = max(1, workers), 0, [0] * max(1, workers)
+        for s, (_, n) in enumerate(self.shards):
+            counts[s % workers] += len(range((rank - start) % self.world, n, self.world))
+            start += n
+        return sum(-(-c // self.batch_size) for c in counts)
+
     def __getitem__(self, i: int) -> dict:
         """Sample ``i`` of the split in file order (the same on every rank), decoded: for the few items
         media callbacks show (``TextSamples``' prompts). Reads its shard from the start. Raises

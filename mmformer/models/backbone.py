@@ -120,11 +120,19 @@ class Backbone(nn.Module):
         """Store the blocks' CPU linear weights column-major (``mmformer.nn.layout``: the same values, a
         faster layout for the few rows of KV-cache decoding). Blocks compiled with ``torch.compile`` keep
         their layout (a new one would recompile them). Undone by the first forward that trains or
-        records gradients."""
+        records gradients, or by ``restore_layout``."""
         for block in self.blocks:
             if not getattr(block, "_mmformer_compiled", False):
                 decode_layout(block)
         self._decode_layout = True
+
+    def restore_layout(self) -> None:
+        """Row-major weights again after ``for_decoding``. Training loops call it before a step's forward
+        (``MultiTaskModule.on_train_batch_start``): DDP fixes its gradient buckets' layout from the
+        weights' at its first steps, before the module's own forward runs."""
+        if self._decode_layout:
+            train_layout(self)
+            self._decode_layout = False
 
     def set_attn_kernel(self, kernel: str) -> None:
         """Switch every attention kernel (``eager`` to count FLOPs, ``sdpa`` to train, …)."""
@@ -151,8 +159,7 @@ class Backbone(nn.Module):
                 ``bidirectional_modalities``.
         """
         if self._decode_layout and (self.training or torch.is_grad_enabled()):
-            train_layout(self)  # gradients, DDP buckets and the optimizer expect row-major weights
-            self._decode_layout = False
+            self.restore_layout()  # gradients and the optimizer expect row-major weights
         past = cache.length if cache is not None else 0
         valid, document, positions = tokens.valid, tokens.document, tokens.positions
         if span is None:

@@ -65,10 +65,13 @@ def greedy(
     max_new_tokens: int,
     suppress: Sequence[int] = (),
     suppress_begin: Sequence[int] = (),
+    fixed_steps: bool = False,
 ) -> list[list[int]]:
     """Greedy decoding from the prompt's next-token ``logits (B, V)``: the new ids per row, without
-    ``eos``. No forward is run for logits nobody reads (after the last step or when every row ended).
-    ``max_new_tokens`` must be >= 1 (the callers check)."""
+    ``eos``. No forward is run for logits nobody reads (after the last step or, unless ``fixed_steps``,
+    when every row ended). ``fixed_steps``: always ``max_new_tokens - 1`` forwards, whatever the text —
+    what a sharded (FSDP2) model needs, whose every forward all ranks must join. ``max_new_tokens`` must
+    be >= 1 (the callers check)."""
     B, V = logits.shape
     always, first = _suppressor(suppress, V, logits.device), _suppressor(suppress_begin, V, logits.device)
     out: list[list[int]] = [[] for _ in range(B)]
@@ -80,7 +83,7 @@ def greedy(
                 out[i].append(tok)
         if eos_id is not None:
             done |= nxt == eos_id
-        if bool(done.all()) or t == max_new_tokens - 1:
+        if (bool(done.all()) and not fixed_steps) or t == max_new_tokens - 1:
             break
         logits = step(nxt[:, None], t + 1)
     return out
@@ -96,10 +99,12 @@ def beam_search(
     length_penalty: float = 1.0,
     suppress: Sequence[int] = (),
     suppress_begin: Sequence[int] = (),
+    fixed_steps: bool = False,
 ) -> list[list[int]]:
     """Beam search from the prompt's next-token ``logits (B, V)`` (``cache`` holds B rows and is expanded
     to B·K, row ``b·K + k`` being beam ``k`` of source ``b``); the best finished hypothesis per row,
-    without ``eos``. ``max_new_tokens`` and ``beam_size`` must be >= 1 (the callers check)."""
+    without ``eos``. ``fixed_steps`` as in ``greedy`` (rows that ended are carried along, unchanged).
+    ``max_new_tokens`` and ``beam_size`` must be >= 1 (the callers check)."""
     B, V = logits.shape
     K, dev = beam_size, logits.device
     always, first = _suppressor(suppress, V, dev), _suppressor(suppress_begin, V, dev)
@@ -141,7 +146,7 @@ def beam_search(
             ):
                 done[b] = True
         seqs, scores = new_seqs, new_scores.to(dev)
-        if all(done) or t == max_new_tokens - 1:
+        if (all(done) and not fixed_steps) or t == max_new_tokens - 1:
             break
         # a beam's parent is a beam of the same source: the cross-attention keys/values stay in place
         cache.reorder((torch.arange(B).unsqueeze(1) * K + parents).view(-1).to(dev), cross=False)

@@ -103,11 +103,12 @@ class EncoderDecoder:
         source_valid: Tensor | None = None,
         suppress: Sequence[int] = (),
         suppress_begin: Sequence[int] = (),
+        fixed_steps: bool = False,
     ) -> list[list[int]]:
         """Text for each source: the new ids per row (without the prompt and ``eos``). ``prompt``: the
         ``bos`` id or the ids every row starts with. ``beam_size=1`` is greedy. ``suppress`` ids are never
         generated, ``suppress_begin`` ids not first (Whisper's rules). With learned text positions the
-        text stops at the tokenizer's ``max_len``.
+        text stops at the tokenizer's ``max_len``. ``fixed_steps``: no early stop (``decoding.greedy``).
 
         Raises ``ValueError`` for ``beam_size < 1`` or ``max_new_tokens < 1``, a prompt that fills the
         decoder's positions, or parts that do not form an encoder–decoder.
@@ -141,9 +142,18 @@ class EncoderDecoder:
             return model.heads[self.lm_head](hidden, text)[:, -1]
 
         if beam_size == 1:
-            return greedy(step, logits, eos_id, max_new_tokens, suppress, suppress_begin)
+            return greedy(step, logits, eos_id, max_new_tokens, suppress, suppress_begin, fixed_steps)
         return beam_search(
-            step, cache, logits, eos_id, max_new_tokens, beam_size, length_penalty, suppress, suppress_begin
+            step,
+            cache,
+            logits,
+            eos_id,
+            max_new_tokens,
+            beam_size,
+            length_penalty,
+            suppress,
+            suppress_begin,
+            fixed_steps,
         )
 
 

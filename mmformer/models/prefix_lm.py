@@ -133,9 +133,11 @@ class PrefixLM:
         beam_size: int = 1,
         length_penalty: float = 1.0,
         prefix_valid: Tensor | None = None,
+        fixed_steps: bool = False,
     ) -> list[list[int]]:
         """Text for each prefix: a list of new ids per row (without ``bos`` and ``eos``). ``beam_size=1``
         is greedy decoding. With learned text positions the text stops at the tokenizer's ``max_len``.
+        ``fixed_steps``: no early stop (``decoding.greedy``).
 
         Raises ``ValueError`` for ``beam_size < 1`` or ``max_new_tokens < 1``.
         """
@@ -155,5 +157,7 @@ class PrefixLM:
         logits = model.heads[self.caption_head](hidden[:, -1:], text)[:, -1]  # (B, V)
         step = lambda ids, t: self._step(model, cache, ids, t)  # noqa: E731
         if beam_size == 1:
-            return greedy(step, logits, eos_id, max_new_tokens)
-        return beam_search(step, cache, logits, eos_id, max_new_tokens, beam_size, length_penalty)
+            return greedy(step, logits, eos_id, max_new_tokens, fixed_steps=fixed_steps)
+        return beam_search(
+            step, cache, logits, eos_id, max_new_tokens, beam_size, length_penalty, fixed_steps=fixed_steps
+        )

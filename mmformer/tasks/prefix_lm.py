@@ -105,6 +105,10 @@ class PrefixLMTask(nn.Module):
         logits, targets = self._losses(model, batch)
         return F.cross_entropy(logits, targets, ignore_index=IGNORE)
 
+    # set under FSDP2 (MultiTaskModule.configure_model): every rank decodes max_new_tokens steps, since
+    # each decoder forward gathers weights from all ranks and their batches end at different steps
+    lockstep: bool = False
+
     def transcribe(
         self, model: MultimodalModel, inputs: Tensor, prefix_valid: Tensor | None = None
     ) -> list[str]:
@@ -119,6 +123,7 @@ class PrefixLMTask(nn.Module):
             self.beam_size,
             self.length_penalty,
             prefix_valid,
+            fixed_steps=self.lockstep,
         )
         return [self.text.decode(x, skip_special=True) for x in ids]
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..data.windows import WINDOW
 from ..models import parallelize
+from ..models.backbone import Backbone
 from ..models.model import MultimodalModel
 from ..training.optim import build_optimizer, build_scheduler
 
@@ -137,6 +138,9 @@ class MultiTaskModule(L.LightningModule):
         mesh = self.device_mesh
         if mesh is not None:
             parallelize.shard_model(self.model, mesh["data_parallel"], root=self)
+            for task in self.tasks.values():  # decoding tasks run the same number of forwards on every rank
+                if hasattr(task, "lockstep"):
+                    task.lockstep = True
 
     def setup(self, stage: str) -> None:
         if stage == "fit":  # after the model's (identical) initialisation, before any checkpoint restore
@@ -272,6 +276,13 @@ class MultiTaskModule(L.LightningModule):
         # built earlier, to count the steps for the LR schedule (``estimated_stepping_batches``), so the
         # saved state is handed over here, before the epoch's first batch is fetched.
         self.trainer.fit_loop._load_combined_loader_states()
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        # a validation that generated text left the backbones' weights in the decode layout (rank 0 only,
+        # for the text samples): restore it on every rank before DDP's forward sees the weights
+        for m in self.model.modules():
+            if isinstance(m, Backbone):
+                m.restore_layout()
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         for task in self.tasks.values():  # e.g. clip a learned temperature after the update

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import WeightAveraging
+
+from .sharded_ema import ShardedEMAWeights
 
 log = logging.getLogger("mmformer")
 
@@ -281,10 +284,12 @@ class TextSamples(L.Callback):
                 ids.to(pl_module.device),
                 valid.to(pl_module.device),
                 self.max_new_tokens,
-                tok.eos_id,
+                # under FSDP2 every rank must run the same number of forwards: no early stop at eos
+                None if sharded(pl_module) else tok.eos_id,
             )
             if not trainer.is_global_zero:
                 continue
+            outs = [o[: o.index(tok.eos_id)] if tok.eos_id in o else o for o in outs]
             rows = [(tok.decode(p), tok.decode(o)) for p, o in zip(prompts, outs)]
             self.last[name] = rows
             for lg in trainer.loggers:
@@ -458,17 +463,20 @@ class DiffusionSamples(L.Callback):
             model = ema.average.model if ema is not None and ema.average is not None else pl_module.model
             generator = torch.Generator(pl_module.device).manual_seed(self.seed)
             conditional = labels is not None or captions is not None
-            images = _as_forward(
-                pl_module,
-                task.sample,
-                model,
-                labels,
-                n=self.n,
-                cfg_scale=task.sample_cfg_scale if conditional else 1.0,
-                steps=task.sample_steps,
-                generator=generator,
-                captions=captions,
-            )
+            # under FSDP2 each rank keeps the average of its shard: swap it in around the sampling
+            shard_ema = next((c for c in trainer.callbacks if isinstance(c, ShardedEMAWeights)), None)
+            with shard_ema.averaged(pl_module) if shard_ema is not None else nullcontext():
+                images = _as_forward(
+                    pl_module,
+                    task.sample,
+                    model,
+                    labels,
+                    n=self.n,
+                    cfg_scale=task.sample_cfg_scale if conditional else 1.0,
+                    steps=task.sample_steps,
+                    generator=generator,
+                    captions=captions,
+                )
             if not trainer.is_global_zero:
                 continue
             grid = make_grid((images.float().cpu() + 1) / 2, nrow=per_class if conditional else 8, padding=1)

@@ -21,9 +21,9 @@ class FreezePretrained(L.Callback):
     no gradient, which AdamW skips (no update, no weight decay). Parameters that were frozen already
     (LoRA, ``freeze_layers``) stay frozen. A run resumed inside the frozen stage freezes again.
     Under DDP, use ``trainer.strategy: ddp_find_unused_parameters_true`` (the builder insists).
-    Under FSDP2 a gathered (unsharded) weight keeps the ``requires_grad`` it had at its first gather, so
-    the backward may still compute a frozen part's gradient: it is dropped before the optimizer step
-    (and before gradient clipping), which leaves the part exactly as frozen.
+    Any gradient a frozen part still receives (FSDP2 decides per gathered weight, and the rules have
+    changed between torch releases) is dropped before the optimizer step and before gradient clipping,
+    which leaves the part exactly as frozen.
     """
 
     def __init__(self, epochs: int, modules):
@@ -50,6 +50,8 @@ class FreezePretrained(L.Callback):
         keys that state by the parameter's index in ``named_parameters()``."""
         if not self._frozen or getattr(pl_module, "device_mesh", None) is None:
             return
+        if getattr(trainer.strategy, "_save_distributed_checkpoint", False):  # refused by the recipe check
+            raise RuntimeError("freeze_pretrained_epochs cannot write sharded (DCP) checkpoints")
         index = {id(p): i for i, (_, p) in enumerate(pl_module.named_parameters())}
         for state in checkpoint.get("optimizer_states") or []:
             if not state or "state" not in state:  # ranks other than 0 hold no full state

@@ -8,8 +8,8 @@ shard is the shard of the EMA). The behaviour is ``EMAWeights``'s, so runs read 
 
 - decay warmed up as ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates, the first update copying
   (``torch.optim.swa_utils.AveragedModel`` with our ``multi_avg_fn``); floating-point buffers averaged too;
-- validation and the media callbacks run with the average (swapped in and out around the validation
-  epoch), training continues from the raw weights;
+- validation and the diffusion sample grids run with the average (swapped in around the validation
+  epoch, and around the sampling), training continues from the raw weights;
 - checkpoints: ``state_dict`` = the average, ``current_model_state`` = the raw weights,
   ``averaging_state = {"n_averaged": …}`` — the layout Lightning's ``WeightAveraging`` writes, so a
   checkpoint resumes under FSDP2, DDP or one device alike; both states are gathered whole
@@ -21,6 +21,8 @@ Sharded (DCP) checkpoints with an EMA are refused by the recipe check.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import lightning as L
 import torch
@@ -69,6 +71,19 @@ class ShardedEMAWeights(L.Callback):
     def _gather_state(self, trainer) -> dict:
         return trainer.strategy.lightning_module_state_dict()
 
+    @contextmanager
+    def averaged(self, pl_module):
+        """The average in the model for the duration (every rank must enter: it reshards), e.g. to sample
+        from it after validation; nothing to do once training ended (the model holds it then)."""
+        if self._raw is not None:
+            yield
+            return
+        self._swap(pl_module)
+        try:
+            yield
+        finally:
+            self._swap(pl_module)
+
     # ------------------------------------------------------------------ training
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step <= self._latest_update_step:  # inside an accumulation window
@@ -90,6 +105,9 @@ class ShardedEMAWeights(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.state.fn == "fit" and self._raw is None:
             self._swap(pl_module)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._raw = None  # a new fit with this callback: training weights in the model again
 
     def on_train_end(self, trainer, pl_module) -> None:
         """The model takes the average; the raw shards are kept for the last checkpoint."""

@@ -80,6 +80,16 @@ def test_evaluation_reads_every_sample_exactly_once_over_ranks(image_shards):
     assert len(_stream(out, "val", False, world=3, rank=0)) == 4
 
 
+@pytest.mark.parametrize(("world", "batch", "workers"), [(3, 2, 0), (3, 3, 2), (5, 2, 2), (2, 4, 0)])
+def test_evaluation_batch_counts_are_known_before_reading(image_shards, world, batch, workers):
+    """``eval_batches``: what FSDP2 checks before evaluating (every rank must run as many batches)."""
+    _, out = image_shards
+    for rank in range(world):
+        stream = _stream(out, "val", False, world=world, rank=rank, batch=batch)
+        loader = torch.utils.data.DataLoader(stream, batch_size=batch, num_workers=workers)
+        assert stream.eval_batches(rank, workers) == sum(1 for _ in loader)
+
+
 def test_shards_decode_like_the_folder_and_train_through_the_cli(image_shards, workdir, capsys):
     folder, out = image_shards
     recipe = workdir / "tiny.yaml"

@@ -44,8 +44,10 @@ def test_sharded_ema_equals_ddp_ema_across_a_resume_and_text_samples_are_logged(
 
     recipe = workdir / "lm.yaml"
     recipe.write_text(LM.format(name="lm", corpus=_corpus(workdir / "corpus.txt")))
-    # a constant LR: a run stopped by max_steps=2 then resumed to 4 follows the 4-step run exactly
-    common = ["optim.ema_decay=0.8", "optim.schedule=constant", "trainer.val_check_interval=2"]
+    # a constant LR: a run stopped by max_steps=2 then resumed to 4 follows the 4-step run exactly.
+    # Validation (with text samples: rank 0 decodes, in the CPU decode layout) after every step: DDP
+    # fixes its gradient buckets' layout at step 2, so the layout must be back on every rank before it
+    common = ["optim.ema_decay=0.8", "optim.schedule=constant", "trainer.val_check_interval=1"]
     common.append("tasks.corpus.data.batch_size=4")
     ddp = torch.load(
         _train(
@@ -107,3 +109,14 @@ def test_pretrained_parts_stay_frozen_under_fsdp2_then_train(workdir):
     _train(recipe, workdir, "ft", [*fsdp2, "trainer.max_epochs=2", "resume=auto"])
     sd = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     assert not torch.equal(sd[f"model.backbone.{block}"], source[block])  # unfrozen in epoch 1
+
+
+def test_uneven_evaluation_shards_do_not_hang_a_sharded_model(workdir):
+    """9 held-out documents over 2 ranks with batch 4: 5 and 4 samples, 2 and 1 batches with the plain
+    evaluation sampler; every FSDP2 forward gathers weights from both ranks, so the ranks must run the
+    same number of evaluation batches (``EvenEvalBatches``) or the first one waits forever."""
+    recipe = workdir / "lm.yaml"
+    recipe.write_text(LM.format(name="lm", corpus=_corpus(workdir / "corpus.txt")))
+    overrides = [*FSDP2, "tasks.corpus.data.val_fraction=0.225", "tasks.corpus.data.batch_size=4"]
+    ckpt = _train(recipe, workdir, "uneven", overrides)
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 1
