@@ -1,35 +1,19 @@
 """FSDP2 runs with what used to need DDP (CLI subprocesses, 2 CPU processes): the EMA of the weights
 (each rank averages its shard) equals Lightning's EMA under DDP, across a resume; the media callbacks
 run the sharded model on every rank and rank 0 logs the samples; the pretrained parts stay frozen for
-``optim.freeze_pretrained_epochs`` and train afterwards."""
+``optim.freeze_pretrained_epochs`` and train afterwards; a held-out set that splits unevenly over the
+ranks does not hang the sharded model."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import make_image_folder
 from tests.training.test_distributed_equivalence import LM, _corpus
+from tests.training.test_distributed_equivalence import _run as _train
 
 FSDP2 = ["trainer.devices=2", "trainer.strategy=fsdp2"]
-
-
-def _train(recipe: Path, workdir: Path, name: str, overrides: list[str]) -> Path:
-    env = dict(os.environ, MMFORMER_RUNS=str(workdir / "runs" / name), PYTHONUNBUFFERED="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "mmformer.cli", "train", str(recipe), *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=400,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    return next((workdir / "runs" / name).glob("*/*/checkpoints/last.ckpt"))
 
 
 def _close(a: dict, b: dict, what: str) -> None:
