@@ -4,7 +4,7 @@
 matrix-multiply kernels are several times slower for a transposed right operand when ``x`` has only a
 few rows — exactly the shape of KV-cache decoding (one token per sequence): measured with 2 threads,
 ``(4, 576) @ (576, 960)`` takes 120 µs with the weight row-major and 32 µs with it column-major, and the
-two layouts are within noise of each other for 128–2,048 rows (``bench/README.md``, "decode layout").
+two layouts are within ~15 % of each other, either way, for 64–2,048 rows (``bench/README.md``, "decode layout").
 
 ``decode_layout(module)`` re-stores every linear weight of ``module`` column-major — the same
 ``(out, in)`` tensor with the same values and the same ``Parameter`` object, only its strides change
