@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import WeightAveraging
 
-from .sharded_ema import ShardedEMAWeights
+from .sharded_ema import ShardedEMAWeights, warmed_up_decay
 
 log = logging.getLogger("mmformer")
 
@@ -38,8 +38,6 @@ def _as_forward(pl_module, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` in evaluation mode without gradients, run through the LightningModule's
     ``forward`` (under FSDP2 the root unit: tokenizer / head weights are gathered around it); the
     training mode is restored afterwards."""
-    import torch
-
     was_training = pl_module.training
     pl_module.eval()
     try:
@@ -342,7 +340,6 @@ class AudioSamples(L.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if _skip_media(trainer, pl_module):
             return
-        import torch
         from lightning.pytorch.loggers import WandbLogger
 
         from ..data.audio import collate_audio
@@ -401,8 +398,7 @@ class EMAWeights(WeightAveraging):
         self._raw_state: dict | None = None
 
     def _update(self, averaged: list, current: list, num_averaged) -> None:
-        n = float(num_averaged)
-        decay = min(self.decay, (1 + n) / (10 + n))
+        decay = warmed_up_decay(self.decay, int(num_averaged))
         pairs = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]  # not step counters
         if pairs:
             torch._foreach_lerp_([a for a, _ in pairs], [c for _, c in pairs], 1 - decay)
@@ -438,7 +434,6 @@ class DiffusionSamples(L.Callback):
             return
         from pathlib import Path
 
-        import torch
         from lightning.pytorch.loggers import WandbLogger
         from torchvision.utils import make_grid, save_image
 

@@ -29,6 +29,13 @@ import torch
 from torch import Tensor
 
 
+def warmed_up_decay(decay: float, n_averaged: int) -> float:
+    """The EMA decay after ``n_averaged`` updates: ``min(decay, (1 + n) / (10 + n))`` (diffusers'
+    ``EMAModel``, timm's ``ModelEmaV3``), so short runs do not carry the initial weights."""
+    n = float(n_averaged)
+    return min(decay, (1 + n) / (10 + n))
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -68,9 +75,6 @@ class ShardedEMAWeights(L.Callback):
             s.copy_(_local(t))
             _local(t).copy_(tmp)
 
-    def _gather_state(self, trainer) -> dict:
-        return trainer.strategy.lightning_module_state_dict()
-
     @contextmanager
     def averaged(self, pl_module):
         """The average in the model for the duration (every rank must enter: it reshards), e.g. to sample
@@ -93,8 +97,7 @@ class ShardedEMAWeights(L.Callback):
             if self.n_averaged == 0:
                 torch._foreach_copy_(shadow, current)
             else:
-                n = float(self.n_averaged)
-                torch._foreach_lerp_(shadow, current, 1 - min(self.decay, (1 + n) / (10 + n)))
+                torch._foreach_lerp_(shadow, current, 1 - warmed_up_decay(self.decay, self.n_averaged))
         self.n_averaged += 1
         self._latest_update_step = trainer.global_step
 
@@ -129,13 +132,13 @@ class ShardedEMAWeights(L.Callback):
             current = [_local(t).clone() for t in tensors]
             for r, t in zip(self._raw, tensors):
                 _local(t).copy_(r)
-            checkpoint["current_model_state"] = self._gather_state(trainer)
+            checkpoint["current_model_state"] = trainer.strategy.lightning_module_state_dict()
             for c, t in zip(current, tensors):
                 _local(t).copy_(c)
         else:
             checkpoint["current_model_state"] = checkpoint["state_dict"]
             self._swap(pl_module)
-            checkpoint["state_dict"] = self._gather_state(trainer)
+            checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
             self._swap(pl_module)
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self.n_averaged, dtype=torch.long)}
 
