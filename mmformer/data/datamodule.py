@@ -5,6 +5,8 @@ Training loaders shard and shuffle with torch's ``DistributedSampler`` (seeded b
 the order is reproducible; ``ResumableShardSampler`` lets a run resumed mid-epoch start where its
 checkpoint was taken, read from the stateful ``AccumulationWindows``); evaluation
 loaders shard without padding (``EvalShardSampler``) so synchronised metrics count each sample once.
+Training samples are prepared inside per-sample random streams (``SeededSamples``): augmentation is a
+function of ``(seed, epoch, sample)``, whatever rank, worker or resume point prepares it.
 With ``multitask.schedule: sampled`` a training step holds one task's batch (``SampledTasks``).
 Training steps come in gradient-accumulation windows whose totals are known up front
 (``AccumulationWindows``), so losses are weighted by their tokens over the whole window.
@@ -22,17 +24,19 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .roots import DataError
 from .samplers import EvalShardSampler, EvenEvalBatches, LengthBuckets, ResumableShardSampler, start_part_way
+from .seeding import SeededSamples
 from .task_schedule import SampledTasks
 from .windows import AccumulationWindows
 
 
 class EveryTask:
-    """``{task: batch}`` steps holding a batch of every task; shorter tasks cycle (same order) until the
-    longest is done (Lightning's ``max_size_cycle``). ``iter_from(step)`` starts at a given step of the
-    epoch, reading only the samples from there on."""
+    """``{task: batch}`` steps holding a batch of every task; shorter tasks cycle until the longest is done
+    (Lightning's ``max_size_cycle``), each further pass freshly shuffled and augmented (its samplers and
+    dataset set to epoch ``epoch · 1000 + pass``, as ``SampledTasks``). ``iter_from(step)`` starts at a
+    given step of the epoch, reading only the samples from there on. ``epoch()``: the epoch about to start."""
 
-    def __init__(self, loaders: dict[str, DataLoader]):
-        self.loaders = loaders
+    def __init__(self, loaders: dict[str, DataLoader], epoch: Callable[[], int] = lambda: 0):
+        self.loaders, self.epoch = loaders, epoch
 
     def __len__(self) -> int:
         return max(len(dl) for dl in self.loaders.values())
@@ -41,17 +45,24 @@ class EveryTask:
         return self.iter_from(0)
 
     def iter_from(self, start: int):
-        iterators: dict[str, object] = {}
+        epoch, iterators = self.epoch(), {}
         for step in range(start, len(self)):
             batch = {}
             for name, dl in self.loaders.items():
-                at = step % len(dl)
-                if name not in iterators:
+                n_pass, at = divmod(step, len(dl))
+                if name not in iterators or at == 0:  # this task's first batch here, or its next pass
+                    set_epoch(dl, epoch if n_pass == 0 else epoch * 1000 + n_pass)
                     iterators[name] = start_part_way(dl, at)
-                elif at == 0:  # a shorter task starts its next cycle
-                    iterators[name] = iter(dl)
                 batch[name] = next(iterators[name])
             yield batch
+
+
+def set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Set ``epoch`` on whichever parts of ``loader`` order or augment its data (sampler, batch sampler,
+    dataset)."""
+    for part in (loader.batch_sampler, loader.sampler, loader.dataset):
+        if hasattr(part, "set_epoch"):
+            part.set_epoch(epoch)
 
 
 @dataclass
@@ -126,6 +137,7 @@ class MultiTaskDataModule(L.LightningDataModule):
                 persistent_workers=d.num_workers > 0 and not train,
             )
         if train:
+            dataset = SeededSamples(dataset, self.seed)  # augmentation: one draw per (epoch, sample)
             sampler = ResumableShardSampler(
                 dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.seed, drop_last=d.drop_last
             )
@@ -159,7 +171,7 @@ class MultiTaskDataModule(L.LightningDataModule):
             num_workers=d.num_workers,
             collate_fn=d.collate,
             drop_last=d.drop_last and train,
-            # training workers start afresh each epoch, seeded from (seed, rank, epoch) by the sampler
+            # training workers start afresh each epoch (base seed from (seed, rank, epoch), by the sampler)
             persistent_workers=d.num_workers > 0 and not train,
             generator=sampler.generator if train else None,
         )
@@ -173,29 +185,27 @@ class MultiTaskDataModule(L.LightningDataModule):
         accumulate, limit = 1, None
         if trainer is not None:
             accumulate, limit = trainer.accumulate_grad_batches, trainer.limit_train_batches
-        steps = self._train_steps(loaders)
+
+        def epoch() -> int:
+            return trainer.current_epoch if trainer is not None else 0
+
+        steps = self._train_steps(loaders, epoch)
         if isinstance(limit, float):
             limit = int(len(steps) * limit) if limit < 1.0 else None
-
-        def set_epoch() -> None:  # Lightning sees only this wrapper, so the samplers are set here
-            epoch = trainer.current_epoch if trainer is not None else 0
-            for dl in loaders.values():
-                for part in (dl.batch_sampler, dl.sampler, dl.dataset):  # whichever orders the data
-                    if hasattr(part, "set_epoch"):
-                        part.set_epoch(epoch)
 
         def progress() -> tuple[int, int]:  # the trainer's epoch and the steps of it already trained
             if trainer is None:
                 return 0, 0
             return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
-        on_epoch = set_epoch if isinstance(steps, EveryTask) else None  # SampledTasks sets its own
-        return AccumulationWindows(steps, accumulate, units, limit, on_epoch, progress)
+        return AccumulationWindows(steps, accumulate, units, limit, progress)
 
-    def _train_steps(self, loaders: dict[str, DataLoader]) -> EveryTask | SampledTasks:
+    def _train_steps(
+        self, loaders: dict[str, DataLoader], epoch: Callable[[], int]
+    ) -> EveryTask | SampledTasks:
         mt = self.multitask
         if mt is None or mt.schedule == "all":
-            return EveryTask(loaders)
+            return EveryTask(loaders, epoch)
         return SampledTasks(
             loaders,
             weights=dict(mt.sample_weights) or None,
@@ -203,7 +213,7 @@ class MultiTaskDataModule(L.LightningDataModule):
             seed=self.seed,
             rank=self._world()[1],
             same_on_all_ranks=mt.same_task_on_all_ranks,
-            epoch=lambda: self.trainer.current_epoch if self.trainer is not None else 0,
+            epoch=epoch,
         )
 
     def val_dataloader(self) -> CombinedLoader:

@@ -65,8 +65,9 @@ class ResumableShardSampler(DistributedSampler):
 
     ``generator`` (give it to the ``DataLoader`` too) is reseeded by every ``set_epoch`` from
     ``(seed, rank, epoch)``: the loader draws its workers' base seed from it, so data-loader workers get
-    random streams (augmentation) that are distinct per rank and worker, change every epoch, and are
-    the same in a rerun — or in a run resumed at that epoch (with workers re-created each epoch).
+    random streams that are distinct per rank and worker, change every epoch, and are the same in a
+    rerun — or in a run resumed at that epoch (with workers re-created each epoch). Augmentation does not
+    depend on them: each sample draws from its own seeded stream (``seeding.SeededSamples``).
     """
 
     _skip = 0

@@ -20,7 +20,9 @@ from ``(seed, epoch)`` and dealt out by rank, then by data-loader worker (WebDat
 hold equal counts and their number divides by ranks × workers (otherwise a warning says so).
 Evaluation: rank ``r`` keeps the samples whose global index is ``r`` mod ``world`` (every sample
 exactly once over the ranks, as ``EvalShardSampler``). A run resumed mid-epoch skips, without decoding,
-the samples its workers had already delivered.
+the samples its workers had already delivered. A training sample is decoded and augmented inside its own
+random stream, seeded from ``(seed, epoch, shard name / key)`` (``seeding``), so its augmentation does
+not depend on the worker that reads it or on a resume.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .roots import DataError
+from .seeding import sample_seed, seeded
 
 log = logging.getLogger("mmformer.data")
 
@@ -283,7 +286,10 @@ class ShardStream(IterableDataset):
                 if delivered < own_skip:  # a resumed epoch: what was already trained, not decoded
                     delivered += 1
                     continue
-                item = self._decoded(pick)
+                with seeded(
+                    sample_seed(self.seed, self.epoch, f"{Path(pick['__url__']).name}/{pick['__key__']}")
+                ):
+                    item = self._decoded(pick)
                 if item is None:
                     bad.append(f"{pick.get('__url__')}:{pick.get('__key__')}")
                     continue

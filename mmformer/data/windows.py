@@ -31,7 +31,6 @@ class AccumulationWindows:
         units: task name → the number of units its training loss averages in a batch.
         limit: steps of this epoch the trainer takes (``limit_train_batches``), so the last window is
             cut where the trainer cuts it; None: all.
-        on_epoch: called with no argument at the start of every pass (e.g. to ``set_epoch`` samplers).
         progress: returns ``(epoch, steps of it trained)`` — the trainer's count, not this reader's,
             which runs a window ahead. ``state_dict()`` saves it with every checkpoint (Lightning's
             stateful-loader protocol); after ``load_state_dict``, the pass of that same epoch starts at
@@ -45,12 +44,11 @@ class AccumulationWindows:
         size: int,
         units: dict[str, Callable[[dict], int]],
         limit: int | None = None,
-        on_epoch: Callable[[], None] | None = None,
         progress: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ):
         if size < 1:
             raise ValueError(f"accumulation window size must be >= 1, got {size}")
-        self.steps, self.size, self.units, self.limit, self.on_epoch = steps, size, units, limit, on_epoch
+        self.steps, self.size, self.units, self.limit = steps, size, units, limit
         self.progress = progress
         self._resume: dict | None = None
 
@@ -70,8 +68,6 @@ class AccumulationWindows:
         return n if self.limit is None else min(n, self.limit)
 
     def __iter__(self) -> Iterator[dict]:
-        if self.on_epoch is not None:
-            self.on_epoch()
         begin = self._start()
         it = self.steps.iter_from(begin) if begin else iter(self.steps)
         at, end = begin, len(self)

@@ -3,11 +3,14 @@ windows of the documents in the order the stream read them; every token of an ep
 except a tail shorter than one batch of windows; documents never attend across their boundary; every
 rank takes the same number of full windows, sized from token counts stored at shard time (or counted
 once and cached); a resumed epoch continues with the windows it had not trained; and a packed causal
-LM trains through the CLI."""
+LM trains through the CLI, in one process and as 2-process DDP with loader workers."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -145,7 +148,7 @@ def test_a_resumed_epoch_continues_with_the_windows_not_yet_trained(corpus, work
 
 
 def test_a_packed_causal_lm_trains_from_shards_through_the_cli(corpus, capsys):
-    workdir, _, out = corpus
+    workdir, tok, out = corpus
     recipe = workdir / "lm.yaml"
     recipe.write_text(
         f"""\
@@ -168,3 +171,19 @@ logger: {{mode: disabled}}
     assert main(["train", str(recipe)]) == 0
     finals = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("val/corpus/")]
     assert finals and all(math.isfinite(float(v)) for _, v, *_ in finals)
+
+    # 2-process DDP, 2 loader workers each, one whole epoch: both ranks take the same number of steps (a
+    # rank with fewer would hang the other in its gradient all-reduce), the epoch's size from the index
+    overrides = ["name=packed_ddp", "trainer.max_steps=-1", "trainer.max_epochs=1", "trainer.devices=2",
+                 "trainer.strategy=ddp", "tasks.corpus.data.num_workers=2"]  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "mmformer.cli", "train", str(recipe), *overrides],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    (last,) = (workdir / "runs" / "packed_ddp").glob("*/checkpoints/last.ckpt")
+    steps = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+    assert steps == len(_stream(out, tok, world=2, rank=0)) // BATCH > 0

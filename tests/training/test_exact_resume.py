@@ -56,8 +56,14 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
         ["multitask.schedule=all"],
         ["multitask.schedule=sampled", "multitask.steps_per_epoch=7"],
         ["multitask.schedule=all", "trainer.accumulate_grad_batches=2"],
+        # augmented images prepared by 2 loader workers: the resumed epoch draws the same crops and flips
+        [
+            "tasks.shapes.data.num_workers=2",
+            "tasks.shapes.data.crop_padding=3",
+            "tasks.shapes.data.hflip=true",
+        ],
     ],
-    ids=["every-task", "sampled", "accumulate"],
+    ids=["every-task", "sampled", "accumulate", "augment-workers"],
 )
 def test_stop_mid_epoch_and_resume_equals_uninterrupted(workdir, overrides):
     images = make_image_folder(workdir / "images", n_per_class=6)
@@ -106,6 +112,10 @@ def test_samplers_and_schedules_start_part_way():
 
     every = [{k: v.tolist() for k, v in step.items()} for step in EveryTask(loaders())]
     assert len(every) == 6
+    # "b" (2 batches) cycles 3 times while "a" takes 6 steps: each pass a fresh shuffle of its samples
+    passes = [sorted(sum((s["b"] for s in every[k : k + 2]), [])) for k in (0, 2, 4)]
+    orders = [sum((s["b"] for s in every[k : k + 2]), []) for k in (0, 2, 4)]
+    assert all(len(set(p)) == 4 for p in passes) and len({tuple(o) for o in orders}) == 3
     for start in range(6):
         assert [
             {k: v.tolist() for k, v in s.items()} for s in EveryTask(loaders()).iter_from(start)
