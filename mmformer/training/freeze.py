@@ -21,9 +21,10 @@ class FreezePretrained(L.Callback):
     no gradient, which AdamW skips (no update, no weight decay). Parameters that were frozen already
     (LoRA, ``freeze_layers``) stay frozen. A run resumed inside the frozen stage freezes again.
     Under DDP, use ``trainer.strategy: ddp_find_unused_parameters_true`` (the builder insists).
-    Any gradient a frozen part still receives (FSDP2 decides per gathered weight, and the rules have
-    changed between torch releases) is dropped before the optimizer step and before gradient clipping,
-    which leaves the part exactly as frozen.
+    Any gradient a frozen part still receives is dropped before the optimizer step and before gradient
+    clipping, which leaves the part exactly as frozen — a safeguard: with torch 2.14, DDP and FSDP2
+    give frozen parameters none (the FSDP2 fine-tune test passes with or without it), but FSDP2 decides
+    per gathered weight and its rules have changed between releases.
     """
 
     def __init__(self, epochs: int, modules):

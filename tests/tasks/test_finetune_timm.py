@@ -96,3 +96,27 @@ def test_recipe_mistakes_with_pretrained_images_are_named(workdir, timm_source, 
     )
     assert main(["train", str(recipe)]) == 2
     assert "not divisible by" in capsys.readouterr().err
+
+
+def test_a_gradient_reaching_a_frozen_part_is_dropped_before_the_step():
+    """The safeguard of ``FreezePretrained``: torch 2.14's DDP and FSDP2 give frozen parameters no
+    gradient (the FSDP2 fine-tune test passes with or without it), but a gradient one still receives is
+    dropped before the optimizer step and clipping, so AdamW (which would decay and move it) skips it."""
+    from torch import nn
+
+    from mmformer.training.freeze import FreezePretrained
+
+    model = nn.ModuleDict({"backbone": nn.Linear(3, 3), "head": nn.Linear(3, 1)})
+    trainer = type("T", (), {"current_epoch": 0})()
+    callback = FreezePretrained(1, lambda m: [m["backbone"]])
+    callback.on_train_start(trainer, model)
+    before = model["backbone"].weight.detach().clone()
+    model["backbone"].weight.grad = torch.ones(3, 3)  # as if a strategy had produced one
+    model["head"](model["backbone"](torch.randn(4, 3))).sum().backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    callback.on_before_optimizer_step(trainer, model, opt)
+    opt.step()
+    assert torch.equal(model["backbone"].weight, before) and model["head"].weight.grad is not None
+    trainer.current_epoch = 1
+    callback.on_train_epoch_start(trainer, model)
+    assert model["backbone"].weight.requires_grad
