@@ -3,6 +3,7 @@
     python bench/peers.py                       # all five, full sizes (a few minutes each)
     python bench/peers.py --quick               # tiny sizes, ~1 minute: checks the script works
     python bench/peers.py --only vit,dit        # some of: vit, gpt2, llama, generate, dit
+    python bench/peers.py --only generate --new-tokens 256   # longer generations
 
 Benchmarks (fp32, ``torch.set_num_threads(2)`` unless ``--threads``):
   vit       ViT-S/16 training step vs timm ``vit_small_patch16_224``            images/s
@@ -51,6 +52,7 @@ class Settings:
     pairs: int
     warmup: int
     optimizer: str  # default | foreach | fused | platform
+    new_tokens: int = 64  # generate: tokens decoded per call
 
 
 @dataclass
@@ -397,7 +399,7 @@ def bench_generate(s: Settings) -> list[Result]:
 
     m = smollm2()
     ours, ref, tok = m["ours"].eval(), m["ref"].eval(), m["tokenizer"]
-    new = 8 if s.quick else 64
+    new = 8 if s.quick else s.new_tokens
     # exactly `new` tokens on both sides, whatever they are: no stop at eos. transformers fills a None
     # eos_token_id from the model's own generation config, so it is cleared there too.
     ref.generation_config.eos_token_id = None
@@ -662,6 +664,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="untimed pairs first (default 2; 1 with --quick)")
     p.add_argument("--optimizer", choices=("default", "foreach", "fused", "platform"), default="default")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=64, help="generate: new tokens per call (default 64)")
     a = p.parse_args()
     only = [b.strip() for b in a.only.split(",") if b.strip()]
     unknown = set(only) - set(BENCHMARKS)
@@ -673,6 +676,7 @@ def main() -> None:
         pairs=a.pairs or (3 if a.quick else 12),
         warmup=a.warmup if a.warmup is not None else (1 if a.quick else 2),
         optimizer=a.optimizer,
+        new_tokens=a.new_tokens,
     )
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, AdamW ({s.optimizer}), "

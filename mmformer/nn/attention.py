@@ -75,11 +75,17 @@ class KVCache:
     ``Backbone.forward(tokens, cache=cache)`` appends the new tokens; the cache never supplies positions
     (the caller's Tokens do, counting on from the cache length). Keys and values of padding are stored
     zeroed (``Attention`` zeroes them as they enter), so later steps need not zero the cache again.
+
+    Keys and values live in buffers with room to grow (capacity doubled when full, as a ``list``), so a
+    decoding step writes its one new position instead of copying the whole cache (``torch.cat`` each
+    step, as transformers' default ``DynamicCache``, moves O(N) bytes per step and layer); ``keys`` /
+    ``values`` are views of the filled part.
     """
 
     def __init__(self) -> None:
-        self.keys: dict[int, Tensor] = {}  # layer → (B, Hkv, Nk, Dh)
+        self.keys: dict[int, Tensor] = {}  # layer → (B, Hkv, Nk, Dh), a view of the layer's buffer
         self.values: dict[int, Tensor] = {}
+        self._buffers: dict[int, tuple[Tensor, Tensor]] = {}  # layer → (B, Hkv, capacity, Dh) each
         self.valid: Tensor | None = None  # (B, Nk) bool
         self.document: Tensor | None = None  # (B, Nk) long
         self.positions: Tensor | None = None  # (B, Nk, P) long
@@ -95,12 +101,19 @@ class KVCache:
         return 0 if self.valid is None else self.valid.shape[1]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k, v (B, Hkv, Nq, Dh)`` for ``layer``; returns all keys and values so far."""
-        if layer in self.keys:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+        """Append ``k, v (B, Hkv, Nq, Dh)`` for ``layer``; returns all keys and values so far (views)."""
+        n = self.keys[layer].shape[2] if layer in self.keys else 0
+        end = n + k.shape[2]
+        buf_k, buf_v = self._buffers.get(layer, (None, None))
+        if buf_k is None or end > buf_k.shape[2]:
+            shape = (*k.shape[:2], max(2 * end, 16), k.shape[3])
+            grown_k, grown_v = k.new_empty(shape), v.new_empty(shape)
+            if n:
+                grown_k[:, :, :n], grown_v[:, :, :n] = self.keys[layer], self.values[layer]
+            buf_k, buf_v = self._buffers[layer] = grown_k, grown_v
+        buf_k[:, :, n:end], buf_v[:, :, n:end] = k, v
+        self.keys[layer], self.values[layer] = buf_k[:, :, :end], buf_v[:, :, :end]
+        return self.keys[layer], self.values[layer]
 
     def reorder(self, index: Tensor, cross: bool = True) -> None:
         """Keep batch rows ``index (B',)`` long, in that order (beam search: each surviving hypothesis
@@ -108,8 +121,10 @@ class KVCache:
         cross-attention keys/values as they are: right when every row keeps its source (beams of one
         source replacing each other), and it saves copying them every step."""
         pick = lambda t: None if t is None else t.index_select(0, index)
-        self.keys = {layer: pick(k) for layer, k in self.keys.items()}
-        self.values = {layer: pick(v) for layer, v in self.values.items()}
+        for layer, (buf_k, buf_v) in self._buffers.items():  # whole buffers: their room is kept
+            n = self.keys[layer].shape[2]
+            buf_k, buf_v = self._buffers[layer] = pick(buf_k), pick(buf_v)
+            self.keys[layer], self.values[layer] = buf_k[:, :, :n], buf_v[:, :, :n]
         self.valid, self.document, self.positions = (
             pick(self.valid),
             pick(self.document),

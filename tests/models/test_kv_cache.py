@@ -126,3 +126,26 @@ def test_prefix_in_one_chunk_then_cached_decoding_equals_full_forward():
             )
             parts.append(backbone(step, cache=cache))
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cache_appends_in_place_and_reorders_rows():
+    """Keys/values equal the concatenation of what was appended; a step within the buffer's room writes
+    in place (no copy of the past); growing keeps the past; ``reorder`` picks rows, room kept."""
+    torch.manual_seed(0)
+    cache, parts = KVCache(), []
+    for step, n in enumerate([5, 1, 1, 1, 20, 1]):
+        k = torch.randn(3, 2, n, 4)
+        parts.append(k)
+        before = cache._buffers.get(0, (None,))[0]
+        got_k, got_v = cache.update(0, k, -k)
+        torch.testing.assert_close(got_k, torch.cat(parts, dim=2), rtol=0, atol=0)
+        torch.testing.assert_close(got_v, -torch.cat(parts, dim=2), rtol=0, atol=0)
+        if step in (1, 2, 3):  # 16 slots after the 5-token prefill: one-token steps write in place
+            assert cache._buffers[0][0].data_ptr() == before.data_ptr()
+    index = torch.tensor([2, 2, 0])
+    cache.reorder(index)
+    torch.testing.assert_close(cache.keys[0], torch.cat(parts, dim=2)[index], rtol=0, atol=0)
+    assert cache._buffers[0][0].shape[2] > cache.keys[0].shape[2]
+    reordered = torch.cat(parts, dim=2)[index]
+    k = torch.randn(3, 2, 1, 4)
+    torch.testing.assert_close(cache.update(0, k, k)[0], torch.cat([reordered, k], 2), rtol=0, atol=0)
