@@ -1,8 +1,8 @@
 """FSDP2 runs with what used to need DDP (CLI subprocesses, 2 CPU processes): the EMA of the weights
 (each rank averages its shard) equals Lightning's EMA under DDP, across a resume; the media callbacks
 run the sharded model on every rank and rank 0 logs the samples; the pretrained parts stay frozen for
-``optim.freeze_pretrained_epochs`` and train afterwards; a held-out set that splits unevenly over the
-ranks does not hang the sharded model."""
+``optim.freeze_pretrained_epochs`` and train afterwards (unfrozen inside one run or across a resume:
+the same weights); a held-out set that splits unevenly over the ranks does not hang the sharded model."""
 
 from __future__ import annotations
 
@@ -93,6 +93,10 @@ def test_pretrained_parts_stay_frozen_under_fsdp2_then_train(workdir):
     _train(recipe, workdir, "ft", [*fsdp2, "trainer.max_epochs=2", "resume=auto"])
     sd = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     assert not torch.equal(sd[f"model.backbone.{block}"], source[block])  # unfrozen in epoch 1
+    # unfrozen inside one run (the sharded parameters start receiving gradients mid-run): the same
+    # weights as frozen, stopped and resumed
+    whole = _train(recipe, workdir, "ft_whole", [*fsdp2, "trainer.max_epochs=2"])
+    _close(torch.load(whole, map_location="cpu", weights_only=True)["state_dict"], sd, "one run vs resumed")
 
 
 def test_uneven_evaluation_shards_do_not_hang_a_sharded_model(workdir):
