@@ -120,7 +120,7 @@ class MultiTaskDataModule(L.LightningDataModule):
     def _loader(self, d: TaskData, dataset: Dataset, train: bool) -> DataLoader:
         world, rank = self._world()
         if isinstance(dataset, IterableDataset):  # shards: the dataset splits itself by rank and worker
-            dataset.place(world, rank)
+            dataset.place(world, rank, d.num_workers)
             if not train and self._lockstep() and hasattr(dataset, "eval_batches"):
                 counts = {dataset.eval_batches(r, d.num_workers) for r in range(world)}
                 if len(counts) > 1:  # a rank with a batch more would wait forever in its weight gather

@@ -6,17 +6,17 @@ the window edge continues as document 0 of the next window), so attention never 
 Sizing an epoch (every rank must take the same number of steps, known before the epoch starts): the
 number of tokens is known up front, per shard, for the recipe's tokenizer — written into ``index.json``
 by ``mmformer data shard --modality text --tokenizer PATH``, or otherwise counted once from the shards and
-cached as ``<root>/.cache/tokens-<tokenizer hash>-<split>.json``. With ``T`` tokens (``eos`` included)
-an epoch is ``W = T // seq_len`` windows and each rank takes ``(W // (world · batch_size)) · batch_size``
-of them (``len()``), in whole batches dealt to the data-loader workers as ``ShardStream`` deals samples.
-Each worker packs the documents of its own shards (dealt by rank and worker, buffer-shuffled, as
-``ShardStream``) within the worker and stops at its quota of windows.
+cached as ``<root>/.cache/tokens-<tokenizer hash>-<split>.json``. The shards are split once into one
+group per (rank, data-loader worker) with near-equal token totals (largest shard first, each into the
+lightest group); every epoch deals the groups out in a new order, and each worker packs the documents of
+its group (its shards shuffled, then a shuffling buffer, as ``ShardStream``) into ``Q`` batches of
+windows, ``Q`` what the lightest group fills: every worker and rank delivers as many, and ``len()`` is
+``Q · batch_size · workers``.
 
-What an epoch leaves out: with one rank and one worker, exactly the last ``T - len · seq_len <
-batch_size · seq_len`` tokens of the shuffled stream; every other token is in exactly one window. With
-several ranks or workers each packs its own shards, whose token totals differ, so a worker with fewer
-tokens than its quota starts another pass over its shards (a few documents twice) and one with more
-leaves its tail for the next epoch (equal steps on every rank come first, as for samples).
+What an epoch leaves out: no token is read twice. With one rank and one worker, exactly the last
+``T - len · seq_len < batch_size · seq_len`` tokens of the shuffled stream; otherwise also what each group
+holds beyond the lightest (a warning above 5 % of the tokens: shards of more equal size waste less).
+Packed text needs at least one shard per (rank, worker) — a ``DataError`` names the fix otherwise.
 
 Validation is not packed: one padded document per sample (``bos`` + tokens + ``eos``, cut at
 ``seq_len``), every document exactly once over the ranks, so the window count needs no estimate. A run
@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -121,32 +122,68 @@ class PackedShardStream(ShardStream):
         self.tokens, self.seq_len = tokens, seq_len
         super().__init__(root, shards, encode, True, batch_size, world, rank, seed, shuffle_buffer)
 
-    def place(self, world: int, rank: int) -> None:
-        """Read as rank ``rank`` of ``world``: ``(T // seq_len // (world · batch)) · batch`` windows."""
-        self.world, self.rank = world, rank
-        windows = sum(self.tokens) // self.seq_len
-        self.per_rank = (windows // (world * self.batch_size)) * self.batch_size
-        if self.per_rank == 0:
+    def place(self, world: int, rank: int, workers: int = 0) -> None:
+        """Read as rank ``rank`` of ``world`` with ``workers`` loader workers (0: the main process).
+
+        The shards are split once into ``world · max(1, workers)`` groups of near-equal token totals
+        (largest first, each to the lightest group); every epoch deals the groups to the (rank, worker)
+        pairs in a new order, and each worker packs ``Q`` batches of windows from its group, ``Q`` what
+        the lightest group fills — so every worker delivers as many, and no token is read twice.
+        Raises ``DataError`` with fewer shards than groups or too few tokens for one batch each."""
+        self.world, self.rank, self.workers = world, rank, max(1, workers)
+        n_groups = world * self.workers
+        if len(self.shards) < n_groups:
             raise DataError(
-                f"{self.root}: {sum(self.tokens)} training tokens make {windows} windows of seq_len="
-                f"{self.seq_len}, fewer than {world} rank(s) × batch_size {self.batch_size}"
+                f"{self.root}: {len(self.shards)} training shards for {world} rank(s) × {self.workers} "
+                f"loader worker(s): packed text needs a shard per worker; reshard with a smaller "
+                "--samples-per-shard or lower num_workers"
             )
-        if len(self.shards) % world:
+        groups: list[list[int]] = [[] for _ in range(n_groups)]
+        totals = [0] * n_groups
+        for s in sorted(range(len(self.shards)), key=lambda s: (-self.tokens[s], s)):
+            g = min(range(n_groups), key=lambda g: (totals[g], g))
+            groups[g].append(s)
+            totals[g] += self.tokens[s]
+        self.groups = groups
+        self.quota = min(totals) // self.seq_len // self.batch_size  # batches per worker
+        self.per_rank = self.quota * self.batch_size * self.workers
+        if self.quota == 0:
+            raise DataError(
+                f"{self.root}: the lightest of {n_groups} shard groups holds {min(totals)} tokens, fewer "
+                f"than one batch of windows ({self.batch_size} × seq_len={self.seq_len}); use fewer "
+                "ranks / workers or a smaller batch"
+            )
+        dropped = sum(totals) - self.per_rank * world * self.seq_len
+        if dropped > 0.05 * sum(totals):
             log.warning(
-                "%s: %d training shards for %d ranks: ranks pack different numbers of tokens, so within an "
-                "epoch some documents are read twice and some not at all (equal steps come first)",
-                self.root,
-                len(self.shards),
-                world,
-            )
+                "%s: %d of %d training tokens (%.0f %%) are left out of every epoch: the shard groups of "
+                "%d ranks × %d workers hold %d to %d tokens and each worker packs what the lightest "
+                "fills; shards of more equal size, or more of them, waste less",
+                self.root, dropped, sum(totals), 100 * dropped / sum(totals), world, self.workers,
+                min(totals), max(totals),
+            )  # fmt: skip
 
     def _train(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
-        mine, quota, own_skip, rng = self._deal(workers, worker, skip)
+        if workers != self.workers:
+            raise DataError(
+                f"{self.root}: placed for {self.workers} loader worker(s) but read by {workers}: "
+                "call place(world, rank, num_workers) with the loader's num_workers"
+            )
+        deal = list(range(len(self.groups)))
+        random.Random(hash((self.seed, self.epoch))).shuffle(deal)  # the same on every rank
+        mine = list(self.groups[deal[self.rank * workers + worker]])
+        rng = random.Random(hash((self.seed, self.epoch, self.rank, worker)))
+        rng.shuffle(mine)
+        quota = self.quota * self.batch_size
+        # the loader takes batches from workers in turn: a resumed epoch's first batches were each
+        # worker's first, dealt round-robin
+        done = skip // self.batch_size
+        own_skip = (done // workers + (1 if worker < done % workers else 0)) * self.batch_size
         n = self.seq_len
         ids: list[int] = []
         doc: list[int] = []
         delivered, documents, bad = 0, 0, []
-        while delivered < quota:  # passes over this worker's shards; a worker that runs short starts another
+        while delivered < quota:  # one pass suffices unless documents turned out unreadable
             before = documents
             for pick in _buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
                 toks = self._decoded(pick)
@@ -175,6 +212,9 @@ class PackedShardStream(ShardStream):
                 raise DataError(
                     f"{self.root}: no readable document in shards {[self.shards[s][0] for s in mine]}"
                 )
+            log.warning(
+                "%s: unreadable documents left worker %d short: reading its shards again", self.root, worker
+            )
             rng.shuffle(mine)
 
 

@@ -188,8 +188,9 @@ class ShardStream(IterableDataset):
         self.shuffle_buffer, self.epoch, self._skip = shuffle_buffer, 0, 0
         self.place(world, rank)
 
-    def place(self, world: int, rank: int) -> None:
-        """Read as rank ``rank`` of ``world`` (the datamodule calls this when it builds the loader)."""
+    def place(self, world: int, rank: int, workers: int = 0) -> None:
+        """Read as rank ``rank`` of ``world`` (the datamodule calls this when it builds the loader; each
+        worker of ``workers`` finds its part itself)."""
         self.world, self.rank = world, rank
         total = sum(n for _, n in self.shards)
         self.per_rank = (

@@ -18,6 +18,7 @@ import torch
 
 from mmformer.cli import main
 from mmformer.data.packed_shards import PackedShardStream, packed_text_stream, token_counts
+from mmformer.data.roots import DataError
 from mmformer.data.shards import read_index
 from mmformer.data.text import PackedText, TokenCache, corpus_split
 from mmformer.nn.masks import MaskSpec
@@ -55,9 +56,9 @@ def corpus(workdir):
     return workdir, tok, out
 
 
-def _stream(out, tok, world=1, rank=0, epoch=0) -> PackedShardStream:
+def _stream(out, tok, world=1, rank=0, epoch=0, workers=0) -> PackedShardStream:
     s = packed_text_stream(out, read_index(out), "train", tok, SEQ, BATCH, seed=0, shuffle_buffer=4)
-    s.place(world, rank)
+    s.place(world, rank, workers)
     s.set_epoch(epoch)
     return s
 
@@ -67,6 +68,14 @@ def _windows(stream, workers=0) -> list[dict]:
     return [
         {k: v[i] for k, v in batch.items() if k != "bad_samples"} for batch in loader for i in range(BATCH)
     ]
+
+
+def _worker_streams(windows: list[dict], workers: int) -> list[list[int]]:
+    """Each loader worker's tokens in the order it packed them: the loader takes batches from the workers
+    in turn, and every worker delivers as many."""
+    n = max(1, workers)
+    batches = [windows[i : i + BATCH] for i in range(0, len(windows), BATCH)]
+    return [[t for b in batches[w::n] for x in b for t in x["text"].tolist()] for w in range(n)]
 
 
 def _encoded(tok, docs) -> list[list[int]]:
@@ -125,23 +134,42 @@ def test_documents_never_attend_across_their_boundary(corpus):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_every_rank_takes_the_same_number_of_full_windows(corpus, workers):
-    _, tok, out = corpus
-    per_rank = [_windows(_stream(out, tok, world=2, rank=r), workers) for r in (0, 1)]
-    total = sum(read_index(out)["tokens"]["splits"]["train"])
-    assert len(per_rank[0]) == len(per_rank[1]) == (total // SEQ) // (2 * BATCH) * BATCH > 0
+def test_every_rank_takes_the_same_number_of_full_windows_and_no_token_twice(corpus, workers):
+    workdir, tok, out = corpus
+    per_rank = [_windows(_stream(out, tok, world=2, rank=r, workers=workers), workers) for r in (0, 1)]
+    stream = _stream(out, tok, world=2, rank=0, workers=workers)
+    tokens = read_index(out)["tokens"]["splits"]["train"]
+    groups = [sum(tokens[s] for s in g) for g in stream.groups]
+    assert len(stream.groups) == 2 * max(1, workers) and sorted(sum(stream.groups, [])) == list(range(8))
+    assert len(per_rank[0]) == len(per_rank[1]) == min(groups) // SEQ // BATCH * BATCH * max(1, workers) > 0
     assert all(bool(w["text_valid"].all()) and w["text"].shape == (SEQ,) for r in per_rank for w in r)
+    # each worker's stream is whole training documents, then the start of one more: none read twice
+    docs, train, _ = corpus_split(workdir / "corpus.txt", 0.1, 0)
+    encoded = _encoded(tok, [docs[i] for i in train])
+    read = []
+    for stream in (s for r in per_rank for s in _worker_streams(r, workers)):
+        cuts = [i + 1 for i, t in enumerate(stream) if t == tok.eos_id]
+        read += [stream[a:b] for a, b in zip([0, *cuts], cuts)]
+        tail = stream[cuts[-1] if cuts else 0 :]
+        assert any(e[: len(tail)] == tail for e in encoded)
+    assert all(d in encoded for d in read) and len({tuple(d) for d in read}) == len(read)
     # the next epoch deals and shuffles differently
-    again = _windows(_stream(out, tok, world=2, rank=0, epoch=1), workers)
+    again = _windows(_stream(out, tok, world=2, rank=0, epoch=1, workers=workers), workers)
     assert len(again) == len(per_rank[0])
     assert [w["text"].tolist() for w in again] != [w["text"].tolist() for w in per_rank[0]]
+
+
+def test_too_few_shards_for_the_workers_are_refused(corpus):
+    _, tok, out = corpus
+    with pytest.raises(DataError, match="a shard per worker"):
+        _stream(out, tok, world=3, rank=0, workers=3)  # 8 shards for 9 workers
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_resumed_epoch_continues_with_the_windows_not_yet_trained(corpus, workers):
     _, tok, out = corpus
-    whole = [w["text"].tolist() for w in _windows(_stream(out, tok), workers)]
-    stream = _stream(out, tok)
+    whole = [w["text"].tolist() for w in _windows(_stream(out, tok, workers=workers), workers)]
+    stream = _stream(out, tok, workers=workers)
     stream.skip(2 * BATCH)
     rest = [w["text"].tolist() for w in _windows(stream, workers)]
     assert rest == whole[2 * BATCH :]
@@ -186,4 +214,4 @@ logger: {{mode: disabled}}
     assert res.returncode == 0, res.stderr[-3000:]
     (last,) = (workdir / "runs" / "packed_ddp").glob("*/checkpoints/last.ckpt")
     steps = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
-    assert steps == len(_stream(out, tok, world=2, rank=0)) // BATCH > 0
+    assert steps == len(_stream(out, tok, world=2, rank=0, workers=2)) // BATCH > 0
