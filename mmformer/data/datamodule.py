@@ -32,7 +32,7 @@ from .windows import AccumulationWindows
 class EveryTask:
     """``{task: batch}`` steps holding a batch of every task; shorter tasks cycle until the longest is done
     (Lightning's ``max_size_cycle``), each further pass freshly shuffled and augmented (its samplers and
-    dataset set to epoch ``epoch · 1000 + pass``, as ``SampledTasks``). ``iter_from(step)`` starts at a
+    dataset set to ``pass_epoch(epoch, pass)``). ``iter_from(step)`` starts at a
     given step of the epoch, reading only the samples from there on. ``epoch()``: the epoch about to start."""
 
     def __init__(self, loaders: dict[str, DataLoader], epoch: Callable[[], int] = lambda: 0):
@@ -51,10 +51,16 @@ class EveryTask:
             for name, dl in self.loaders.items():
                 n_pass, at = divmod(step, len(dl))
                 if name not in iterators or at == 0:  # this task's first batch here, or its next pass
-                    set_epoch(dl, epoch if n_pass == 0 else epoch * 1000 + n_pass)
+                    set_epoch(dl, pass_epoch(epoch, n_pass))
                     iterators[name] = start_part_way(dl, at)
                 batch[name] = next(iterators[name])
             yield batch
+
+
+def pass_epoch(epoch: int, n_pass: int) -> int:
+    """The sampler epoch of pass ``n_pass`` of a task inside trainer epoch ``epoch``: the epoch itself for
+    the first pass, then numbers no first pass of any epoch (below a million) takes."""
+    return epoch if n_pass == 0 else (epoch + 1) * 1_000_000 + n_pass
 
 
 def set_epoch(loader: DataLoader, epoch: int) -> None:
@@ -117,7 +123,7 @@ class MultiTaskDataModule(L.LightningDataModule):
 
         return isinstance(trainer.strategy, ModelParallelStrategy)
 
-    def _loader(self, d: TaskData, dataset: Dataset, train: bool) -> DataLoader:
+    def _loader(self, name: str, d: TaskData, dataset: Dataset, train: bool) -> DataLoader:
         world, rank = self._world()
         if isinstance(dataset, IterableDataset):  # shards: the dataset splits itself by rank and worker
             dataset.place(world, rank, d.num_workers)
@@ -137,7 +143,7 @@ class MultiTaskDataModule(L.LightningDataModule):
                 persistent_workers=d.num_workers > 0 and not train,
             )
         if train:
-            dataset = SeededSamples(dataset, self.seed)  # augmentation: one draw per (epoch, sample)
+            dataset = SeededSamples(dataset, self.seed, name)  # augmentation: a draw per (epoch, sample)
             sampler = ResumableShardSampler(
                 dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.seed, drop_last=d.drop_last
             )
@@ -178,7 +184,7 @@ class MultiTaskDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> AccumulationWindows:
         self.setup()
-        loaders = {n: self._loader(d, d.train, True) for n, d in self.data.items()}
+        loaders = {n: self._loader(n, d, d.train, True) for n, d in self.data.items()}
         trainer = self.trainer
         count = getattr(trainer.lightning_module, "loss_units", None) if trainer is not None else None
         units = {n: functools.partial(count, n) if count else (lambda batch: 1) for n in loaders}
@@ -218,4 +224,4 @@ class MultiTaskDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> CombinedLoader:
         self.setup()
-        return CombinedLoader({n: self._loader(d, d.val, False) for n, d in self.data.items()}, "max_size")
+        return CombinedLoader({n: self._loader(n, d, d.val, False) for n, d in self.data.items()}, "max_size")

@@ -9,7 +9,8 @@ seed and the rest of the epoch would be augmented differently from the uninterru
 of the process around it (the task's noise, masking, dropout) is untouched.
 
 torchvision's v2 transforms, torchaudio's masking and ``AudioPreprocess.augment`` draw from torch's
-generator, so seeding it covers them (Python's ``random`` and NumPy's global streams are not seeded).
+generator, so seeding it covers them (Python's ``random`` and NumPy's global streams are not seeded; nor
+is CUDA's: data preparation runs on the CPU).
 """
 
 from __future__ import annotations
@@ -33,17 +34,18 @@ def sample_seed(seed: int, epoch: int, key: int | str) -> int:
 def seeded(seed: int) -> Iterator[None]:
     """Run the block with torch's CPU generator seeded by ``seed``; its previous state is restored after."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that also reseeds CUDA's
         yield
 
 
 class SeededSamples(Dataset):
     """A map-style training dataset whose item ``i`` is prepared inside ``seeded(sample_seed(seed, epoch,
-    i))``. ``set_epoch`` (called by the datamodule before each epoch, before the loader starts its
-    workers) moves every sample to its next draw."""
+    f"{name}/{i}"))``. ``set_epoch`` (called by the datamodule before each pass, before the loader
+    starts its workers) moves every sample to its next draw. ``name`` (the task's) keeps two tasks'
+    sample ``i`` from drawing alike."""
 
-    def __init__(self, dataset: Dataset, seed: int):
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
+    def __init__(self, dataset: Dataset, seed: int, name: str = ""):
+        self.dataset, self.seed, self.name, self.epoch = dataset, seed, name, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -52,5 +54,5 @@ class SeededSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, i: int):
-        with seeded(sample_seed(self.seed, self.epoch, i)):
+        with seeded(sample_seed(self.seed, self.epoch, f"{self.name}/{i}")):
             return self.dataset[i]

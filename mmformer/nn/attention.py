@@ -79,7 +79,8 @@ class KVCache:
     Keys and values live in buffers with room to grow (capacity doubled when full, as a ``list``), so a
     decoding step writes its one new position instead of copying the whole cache (``torch.cat`` each
     step, as transformers' default ``DynamicCache``, moves O(N) bytes per step and layer); ``keys`` /
-    ``values`` are views of the filled part.
+    ``values`` are views of the filled part. For inference (under ``torch.no_grad``): appends write in
+    place, so autograd refuses a backward through several cached steps.
     """
 
     def __init__(self) -> None:

@@ -66,10 +66,18 @@ def test_a_samples_draw_is_the_same_for_any_worker_rank_or_resume_point():
 def test_the_surrounding_stream_is_untouched():
     torch.manual_seed(3)
     expected = torch.rand(4)
-    torch.manual_seed(3)
+    torch.manual_seed(3)  # also queues the CUDA generators' seed (3), applied when CUDA starts
     data = SeededSamples(_Draws(), seed=0)
     _ = [data[i] for i in range(5)]
     assert torch.equal(torch.rand(4), expected)
+    queued = torch.cuda._lazy_seed_tracker.manual_seed_all_cb  # (callback, stack) of the last seed_all
+    if queued is not None and not torch.cuda.is_initialized():
+        assert queued[0].__closure__[0].cell_contents == 3  # not reseeded per sample
+
+
+def test_two_tasks_draw_differently_for_the_same_index():
+    a, b = SeededSamples(_Draws(), 7, "shapes")[3], SeededSamples(_Draws(), 7, "digits")[3]
+    assert a[1] != b[1]
 
 
 def test_seeds_are_stable_across_processes_and_distinct():

@@ -61,6 +61,7 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
             "tasks.shapes.data.num_workers=2",
             "tasks.shapes.data.crop_padding=3",
             "tasks.shapes.data.hflip=true",
+            "tasks.shapes.data.batch_size=2",
         ],
     ],
     ids=["every-task", "sampled", "accumulate", "augment-workers"],
@@ -83,6 +84,8 @@ def test_stop_mid_epoch_and_resume_equals_uninterrupted(workdir, overrides):
     (last,) = (workdir / "runs" / "part").glob("*/checkpoints/last.ckpt")
     saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
     assert stop <= saved < steps // 2  # stopped inside epoch 0
+    if "tasks.shapes.data.num_workers=2" in overrides:  # inside a pass of the image loader, where its
+        assert saved % len(full.train_dataloader.steps.loaders["shapes"]) != 0  # workers' streams restart
     resumed, _ = train(load_recipe(workdir / "joint.yaml", [*base, "name=part", "resume=auto"]), [seen_b])
     assert resumed.global_step == steps
 
