@@ -126,7 +126,7 @@ class EncoderDecoder:
         context = self.encode(model, inputs, source_valid)
         B = context.x.shape[0]
         ids = torch.tensor(prompt, dtype=torch.long, device=context.x.device).expand(B, -1)
-        cache = KVCache()
+        cache = KVCache(capacity=ids.shape[1] + max_new_tokens)
         text = self._text(model, ids, None)
         hidden = model.backbone(text, context=context, cache=cache)
         logits = model.heads[self.lm_head](hidden[:, -1:], text)[:, -1]  # (B, V)

@@ -74,7 +74,7 @@ def generate(
                 f"a prompt of {int(lengths.max())} tokens fills the model's context of {max_len}"
             )
         max_new_tokens = min(max_new_tokens, room)
-    cache = KVCache()
+    cache = KVCache(capacity=ids.shape[1] + max_new_tokens)
     hidden, tokens = model.encode(tokenizer, ids, cache=cache, valid=valid)
     logits = model.heads[head](hidden[:, -1:], tokens)[:, -1]  # the prompt's last position only
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]

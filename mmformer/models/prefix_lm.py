@@ -152,7 +152,7 @@ class PrefixLM:
         bos = torch.full((B, 1), bos_id, dtype=torch.long, device=prefix.x.device)
         text = self._text(model, bos, None)
         seq, span = self._join(model, prefix, text)
-        cache = KVCache()
+        cache = KVCache(capacity=seq.x.shape[1] + max_new_tokens)
         hidden = model.backbone(seq, cache=cache, span=span)
         logits = model.heads[self.caption_head](hidden[:, -1:], text)[:, -1]  # (B, V)
         step = lambda ids, t: self._step(model, cache, ids, t)  # noqa: E731

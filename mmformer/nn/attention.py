@@ -83,7 +83,10 @@ class KVCache:
     place, so autograd refuses a backward through several cached steps.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
+        """``capacity``: positions to make room for at the first append (the prompt plus the tokens to
+        decode, when the caller knows them: one allocation, no doubling)."""
+        self.capacity = capacity
         self.keys: dict[int, Tensor] = {}  # layer → (B, Hkv, Nk, Dh), a view of the layer's buffer
         self.values: dict[int, Tensor] = {}
         self._buffers: dict[int, tuple[Tensor, Tensor]] = {}  # layer → (B, Hkv, capacity, Dh) each
@@ -107,7 +110,8 @@ class KVCache:
         end = n + k.shape[2]
         buf_k, buf_v = self._buffers.get(layer, (None, None))
         if buf_k is None or end > buf_k.shape[2]:
-            shape = (*k.shape[:2], max(2 * end, 16), k.shape[3])
+            room = self.capacity if buf_k is None and self.capacity >= end else max(2 * end, 16)
+            shape = (*k.shape[:2], room, k.shape[3])
             grown_k, grown_v = k.new_empty(shape), v.new_empty(shape)
             if n:
                 grown_k[:, :, :n], grown_v[:, :, :n] = self.keys[layer], self.values[layer]

@@ -149,3 +149,15 @@ def test_the_cache_appends_in_place_and_reorders_rows():
     reordered = torch.cat(parts, dim=2)[index]
     k = torch.randn(3, 2, 1, 4)
     torch.testing.assert_close(cache.update(0, k, k)[0], torch.cat([reordered, k], 2), rtol=0, atol=0)
+
+
+def test_a_cache_told_its_capacity_allocates_once():
+    cache = KVCache(capacity=9)
+    first = cache.update(0, torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))[0]
+    buffer = cache._buffers[0][0]
+    assert buffer.shape[2] == 9
+    for _ in range(4):
+        cache.update(0, torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    assert cache._buffers[0][0] is buffer and torch.equal(cache.keys[0][:, :, :5], first)
+    cache.update(0, torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))  # past the capacity: grows
+    assert cache._buffers[0][0].shape[2] > 9 and cache.keys[0].shape[2] == 10
