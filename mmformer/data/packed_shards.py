@@ -136,7 +136,7 @@ class PackedShardStream(ShardStream):
             raise DataError(
                 f"{self.root}: {len(self.shards)} training shards for {world} rank(s) × {self.workers} "
                 f"loader worker(s): packed text needs a shard per worker; reshard with a smaller "
-                "--samples-per-shard or lower num_workers"
+                "--samples-per-shard, lower num_workers or use fewer processes"
             )
         groups: list[list[int]] = [[] for _ in range(n_groups)]
         totals = [0] * n_groups
@@ -153,13 +153,13 @@ class PackedShardStream(ShardStream):
                 f"than one batch of windows ({self.batch_size} × seq_len={self.seq_len}); use fewer "
                 "ranks / workers or a smaller batch"
             )
-        dropped = sum(totals) - self.per_rank * world * self.seq_len
-        if dropped > 0.05 * sum(totals):
+        uneven = sum(totals) - n_groups * min(totals)  # what the groups hold beyond the lightest
+        if uneven > 0.05 * sum(totals):
             log.warning(
                 "%s: %d of %d training tokens (%.0f %%) are left out of every epoch: the shard groups of "
                 "%d ranks × %d workers hold %d to %d tokens and each worker packs what the lightest "
                 "fills; shards of more equal size, or more of them, waste less",
-                self.root, dropped, sum(totals), 100 * dropped / sum(totals), world, self.workers,
+                self.root, uneven, sum(totals), 100 * uneven / sum(totals), world, self.workers,
                 min(totals), max(totals),
             )  # fmt: skip
 

@@ -245,6 +245,9 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         skip, self._skip = self._skip, 0
+        if self.train:  # the loader starts a new pass at worker 0, but the interrupted epoch's next batch
+            # came from worker ``done % workers``: each worker takes the part of the one in that seat
+            worker = (worker + skip // self.batch_size) % workers
         yield from (self._train if self.train else self._eval)(workers, worker, skip)
 
     def _decoded(self, raw: dict) -> dict | None:
