@@ -23,7 +23,14 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .roots import DataError
-from .samplers import EvalShardSampler, EvenEvalBatches, LengthBuckets, ResumableShardSampler, start_part_way
+from .samplers import (
+    EvalShardSampler,
+    EvenEvalBatches,
+    LengthBuckets,
+    ResumableShardSampler,
+    set_epoch,
+    start_part_way,
+)
 from .seeding import SeededSamples
 from .task_schedule import SampledTasks
 from .windows import AccumulationWindows
@@ -61,14 +68,6 @@ def pass_epoch(epoch: int, n_pass: int) -> int:
     """The sampler epoch of pass ``n_pass`` of a task inside trainer epoch ``epoch``: the epoch itself for
     the first pass, then numbers no first pass of any epoch (below a million) takes."""
     return epoch if n_pass == 0 else (epoch + 1) * 1_000_000 + n_pass
-
-
-def set_epoch(loader: DataLoader, epoch: int) -> None:
-    """Set ``epoch`` on whichever parts of ``loader`` order or augment its data (sampler, batch sampler,
-    dataset)."""
-    for part in (loader.batch_sampler, loader.sampler, loader.dataset):
-        if hasattr(part, "set_epoch"):
-            part.set_epoch(epoch)
 
 
 @dataclass

@@ -175,10 +175,7 @@ class PackedShardStream(ShardStream):
         rng = random.Random(hash((self.seed, self.epoch, self.rank, worker)))
         rng.shuffle(mine)
         quota = self.quota * self.batch_size
-        # the loader takes batches from workers in turn: a resumed epoch's first batches were each
-        # worker's first, dealt round-robin
-        done = skip // self.batch_size
-        own_skip = (done // workers + (1 if worker < done % workers else 0)) * self.batch_size
+        own_skip = self._share(skip, workers, worker)  # a resumed epoch: this worker's already trained
         n = self.seq_len
         ids: list[int] = []
         doc: list[int] = []

@@ -92,6 +92,14 @@ class ResumableShardSampler(DistributedSampler):
         return iter(indices[skip:])
 
 
+def set_epoch(loader, epoch: int) -> None:
+    """Set ``epoch`` on whichever parts of ``loader`` order or augment its data (sampler, batch sampler,
+    dataset)."""
+    for part in (loader.batch_sampler, loader.sampler, loader.dataset):
+        if hasattr(part, "set_epoch"):
+            part.set_epoch(epoch)
+
+
 def start_part_way(loader, batches: int) -> Iterator:
     """``iter(loader)`` beginning at its batch ``batches`` (its sampler, or a streaming dataset, skips the
     samples before)."""

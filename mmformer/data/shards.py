@@ -258,9 +258,10 @@ class ShardStream(IterableDataset):
             log.warning("unreadable sample skipped: %s (%s: %s)", where, type(e).__name__, e)
             return None
 
-    def _quota(self, workers: int, worker: int) -> int:
-        """Samples worker ``worker`` delivers: whole batches, as the loader interleaves them."""
-        batches = self.per_rank // self.batch_size
+    def _share(self, items: int, workers: int, worker: int) -> int:
+        """Of a rank's first ``items`` items (whole batches, which the loader takes from its workers in
+        turn), how many are worker ``worker``'s."""
+        batches = items // self.batch_size
         return (batches // workers + (1 if worker < batches % workers else 0)) * self.batch_size
 
     def _deal(self, workers: int, worker: int, skip: int) -> tuple[list[int], int, int, random.Random]:
@@ -271,14 +272,8 @@ class ShardStream(IterableDataset):
             order[self.rank % len(order)]
         ]
         mine = [s for i, s in enumerate(mine) if i % workers == worker] or [mine[worker % len(mine)]]
-        # the loader takes batches from workers in turn: the first ``skip`` items of this rank are
-        # the first batches of each worker, dealt round-robin
-        skipped_batches = skip // self.batch_size
-        own_skip = (
-            skipped_batches // workers + (1 if worker < skipped_batches % workers else 0)
-        ) * self.batch_size
         rng = random.Random(hash((self.seed, self.epoch, self.rank, worker)))
-        return mine, self._quota(workers, worker), own_skip, rng
+        return mine, self._share(self.per_rank, workers, worker), self._share(skip, workers, worker), rng
 
     def _train(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
         mine, quota, own_skip, rng = self._deal(workers, worker, skip)

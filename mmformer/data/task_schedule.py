@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from torch.utils.data import DataLoader
 
-from .samplers import start_part_way
+from .samplers import set_epoch, start_part_way
 
 
 class SampledTasks:
@@ -94,7 +94,5 @@ class SampledTasks:
         loader = self.loaders[name]
         if len(loader) == 0:
             raise ValueError(f"task {name!r} has no training batches (fewer samples than one batch?)")
-        for part in (loader.batch_sampler, loader.sampler, loader.dataset):  # whichever orders the data
-            if hasattr(part, "set_epoch"):
-                part.set_epoch(epoch * 1000 + n_pass)
+        set_epoch(loader, epoch * 1000 + n_pass)
         return start_part_way(loader, at) if at else iter(loader)
