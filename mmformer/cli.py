@@ -694,11 +694,29 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     args = _parser().parse_args(argv)
     try:
-        return args.fn(args)
+        rc = args.fn(args)
     except (RecipeError, DataError, DataNotFoundError, FileNotFoundError, UsageError) as e:
         msg = e.args[0] if e.args else str(e)
         print(f"mmformer: error: {msg}", file=sys.stderr)
         return 2
+    _close_process_group()
+    return rc
+
+
+def _close_process_group() -> None:
+    """Destroy the distributed process group a finished command leaves behind (Lightning does not).
+
+    Left to the interpreter's exit, gloo's worker threads can be torn down while still joinable and the
+    process aborts ("terminate called without an active exception", exit -6) after a successful run;
+    ``torch.distributed.destroy_process_group`` docs ask for this call at the end of main. Only after a
+    normal return: a rank that failed must not wait on the others here (torchtitan does the same).
+    """
+    if "torch" not in sys.modules:  # ``data list`` and friends never import torch
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

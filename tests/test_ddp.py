@@ -59,3 +59,19 @@ def test_ddp_two_processes_cpu(tiny_recipe, workdir):
     one = _final(single.stdout)
     assert one["val/toy/loss"] == pytest.approx(ddp["val/toy/loss"], abs=1e-5)
     assert one["val/toy/acc"] == pytest.approx(ddp["val/toy/acc"], abs=1e-6)
+
+
+def test_a_finished_command_destroys_its_process_group(tmp_path):
+    """Left to interpreter exit, gloo's threads can abort a successful run (exit -6, "terminate called
+    without an active exception"); every command that returns normally destroys the group first."""
+    import torch.distributed as dist
+
+    from mmformer.cli import main
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert main(["data", "list"]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
