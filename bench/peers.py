@@ -4,6 +4,7 @@
     python bench/peers.py --quick               # tiny sizes, ~1 minute: checks the script works
     python bench/peers.py --only vit,dit        # some of: vit, gpt2, llama, generate, dit
     python bench/peers.py --only generate --new-tokens 256   # longer generations
+    python bench/peers.py --only generate --compile-decoding # mmformer's compiled decoding step
 
 Benchmarks (fp32, ``torch.set_num_threads(2)`` unless ``--threads``):
   vit       ViT-S/16 training step vs timm ``vit_small_patch16_224``            images/s
@@ -53,6 +54,7 @@ class Settings:
     warmup: int
     optimizer: str  # default | foreach | fused | platform
     new_tokens: int = 64  # generate: tokens decoded per call
+    compile_decoding: bool = False  # generate: mmformer decodes with generate(compile=True)
 
 
 @dataclass
@@ -413,18 +415,26 @@ def bench_generate(s: Settings) -> list[Result]:
         hf_ids = ids.masked_fill(~valid, gen_cfg.pad_token_id)
         print(
             f"\n[generate] greedy KV-cache decoding, SmolLM2-135M-Instruct, batch {batch} (prompts of "
-            f"{[len(q) for q in seqs]} tokens, left-padded), {new} new tokens, vs "
+            f"{[len(q) for q in seqs]} tokens, left-padded), {new} new tokens"
+            f"{' (mmformer compiled)' if s.compile_decoding else ''}, vs "
             f"LlamaForCausalLM.generate(do_sample=False)",
             flush=True,
         )
 
         def mm_call(ids=ids, valid=valid):
-            return generate(ours, "text", "lm", ids, valid, new)
+            return generate(ours, "text", "lm", ids, valid, new, compile=s.compile_decoding)
 
         def peer_call(hf_ids=hf_ids, valid=valid):
             with torch.no_grad():
                 return ref.generate(input_ids=hf_ids, attention_mask=valid.long(), generation_config=gen_cfg)
 
+        if s.compile_decoding:
+            t = time.perf_counter()
+            mm_call()
+            print(
+                f"  compiled mmformer's decoding step in {time.perf_counter() - t:.0f} s (untimed)",
+                flush=True,
+            )
         got, want = mm_call(), peer_call()[:, ids.shape[1] :].tolist()
         assert [len(g) for g in got] == [len(w) for w in want] == [new] * batch, "a side stopped early"
         same = sum(a == b for a, b in zip(got, want))
@@ -665,6 +675,11 @@ def main() -> None:
     p.add_argument("--optimizer", choices=("default", "foreach", "fused", "platform"), default="default")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=64, help="generate: new tokens per call (default 64)")
+    p.add_argument(
+        "--compile-decoding",
+        action="store_true",
+        help="generate: mmformer decodes with a compiled graph (generate(compile=True); compiled before timing)",
+    )
     a = p.parse_args()
     only = [b.strip() for b in a.only.split(",") if b.strip()]
     unknown = set(only) - set(BENCHMARKS)
@@ -677,6 +692,7 @@ def main() -> None:
         warmup=a.warmup if a.warmup is not None else (1 if a.quick else 2),
         optimizer=a.optimizer,
         new_tokens=a.new_tokens,
+        compile_decoding=a.compile_decoding,
     )
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, AdamW ({s.optimizer}), "

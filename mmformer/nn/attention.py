@@ -415,7 +415,12 @@ class Attention(nn.Module):
             return cached[3], cached[4]
         dense = None if mask.is_full else mask.dense(Nq, Nk, device)
         empty_rows = None if dense is None else ~dense.any(dim=-1, keepdim=True)
-        if empty_rows is not None and empty_rows.device.type == "cpu" and not bool(empty_rows.any()):
+        if (
+            empty_rows is not None
+            and empty_rows.device.type == "cpu"
+            and not torch.compiler.is_compiling()  # a graph keeps the (fused) zeroing, not a break per layer
+            and not bool(empty_rows.any())
+        ):
             empty_rows = None  # no query row is fully masked (the usual case): nothing to zero in any layer
         inputs.dense_mask = (inputs.mask, Nq, Nk, dense, empty_rows)
         return dense, empty_rows

@@ -1,0 +1,52 @@
+"""``generate(..., compile=True)``: the decoding steps as one compiled graph (inductor, frozen weights)
+give the eager model's ids, and frozen weights never go stale after the parameters change."""
+
+from __future__ import annotations
+
+import torch
+
+from mmformer.models import compiled_decoding
+from mmformer.models.generate import generate
+from mmformer.models.pretrained.llama import build_llama
+
+CONFIG = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10_000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
+def test_compiled_steps_generate_the_eager_ids_and_follow_weight_changes():
+    torch.manual_seed(0)
+    model = build_llama(CONFIG).eval()
+    ids = torch.randint(1, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, :3] = False  # the second prompt is 4 tokens, left-padded
+
+    def both(n):
+        eager = generate(model, "text", "lm", ids, valid, n)
+        compiled = generate(model, "text", "lm", ids, valid, n, compile=True)
+        return eager, compiled
+
+    eager, compiled = both(12)
+    assert compiled == eager and len(set(map(tuple, eager))) == 2
+    step = compiled_decoding._current["step"]
+    eager, compiled = both(9)  # other lengths and cache capacity: the same compiled step
+    assert compiled == eager and compiled_decoding._current["step"] is step
+
+    with torch.no_grad():  # a training step's in-place update: frozen weights must not be reused
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=0.5)
+    changed, compiled = both(12)
+    assert compiled == changed and changed != eager
+    assert compiled_decoding._current["step"] is not step
+
+    other = build_llama(CONFIG).eval()  # another model of the same class: its own weights, not the last
+    want = generate(other, "text", "lm", ids, valid, 12)
+    assert generate(other, "text", "lm", ids, valid, 12, compile=True) == want != changed
