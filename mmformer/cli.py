@@ -562,7 +562,7 @@ def _parser() -> argparse.ArgumentParser:
         "--compile",
         action="store_true",
         help="decode with a compiled graph (torch.compile, frozen weights): faster per token for long "
-        "generations, after a compile of a minute or two",
+        "generations, after a compile of a few minutes",
     )
     g.set_defaults(fn=cmd_generate)
     e = sub.add_parser(
@@ -700,30 +700,43 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_drop_advertising)
     _setup_logging()
     args = _parser().parse_args(argv)
+    had_group = _process_group_initialized()
     try:
         rc = args.fn(args)
     except (RecipeError, DataError, DataNotFoundError, FileNotFoundError, UsageError) as e:
         msg = e.args[0] if e.args else str(e)
         print(f"mmformer: error: {msg}", file=sys.stderr)
         return 2
-    _close_process_group()
+    if not had_group:
+        _close_process_group()
     return rc
 
 
+def _process_group_initialized() -> bool:
+    if "torch" not in sys.modules:  # ``data list`` and friends never import torch
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _close_process_group() -> None:
-    """Destroy the distributed process group a finished command leaves behind (Lightning does not).
+    """Destroy the distributed process group the command's run created (Lightning leaves it behind).
 
     Left to the interpreter's exit, gloo's worker threads can be torn down while still joinable and the
     process aborts ("terminate called without an active exception", exit -6) after a successful run;
     ``torch.distributed.destroy_process_group`` docs ask for this call at the end of main. Only after a
-    normal return: a rank that failed must not wait on the others here (torchtitan does the same).
+    normal return: a rank that failed must not wait on the others here (torchtitan does the same). A
+    group the caller had before ``main`` is left alone; a failure here is logged, the run's result stands.
     """
-    if "torch" not in sys.modules:  # ``data list`` and friends never import torch
+    if not _process_group_initialized():
         return
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    try:
         dist.destroy_process_group()
+    except Exception as e:  # teardown must not turn a finished run into a failure
+        log.warning("could not destroy the distributed process group: %s", e)
 
 
 if __name__ == "__main__":

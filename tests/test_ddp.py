@@ -61,17 +61,26 @@ def test_ddp_two_processes_cpu(tiny_recipe, workdir):
     assert one["val/toy/acc"] == pytest.approx(ddp["val/toy/acc"], abs=1e-6)
 
 
-def test_a_finished_command_destroys_its_process_group(tmp_path):
+def test_a_finished_command_destroys_the_process_group_it_created(tmp_path, monkeypatch):
     """Left to interpreter exit, gloo's threads can abort a successful run (exit -6, "terminate called
-    without an active exception"); every command that returns normally destroys the group first."""
+    without an active exception"); a command that returns normally destroys the group its run created
+    (as Lightning's strategies do, inside the command), and leaves alone one its caller had already."""
     import torch.distributed as dist
 
-    from mmformer.cli import main
+    from mmformer import cli
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    def command_that_starts_a_group(args):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'own'}", rank=0, world_size=1)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_info", command_that_starts_a_group)
     try:
-        assert main(["data", "list"]) == 0
+        assert cli.main(["info", "any.yaml"]) == 0
         assert not dist.is_initialized()
+
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'caller'}", rank=0, world_size=1)
+        assert cli.main(["data", "list"]) == 0
+        assert dist.is_initialized()  # the caller's group
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -13,56 +13,71 @@ batch 4 **1.37×** its speed, the same greedy ids (``python bench/peers.py --onl
 --compile-decoding``; eager mmformer is at parity with it).
 
 Costs: the first call compiles (about 2–4 minutes for SmolLM2's 30 blocks on 2 cores, partly
-cached by inductor on disk for later processes), and frozen weights are a second copy in memory.
+cached by inductor on disk for later processes); prepacked weights may add a copy in memory.
 Shapes are dynamic (``dynamic=True``): a growing cache, another prompt length or capacity do not
 recompile; going from batch 1 to more rows does, once.
 
 Frozen weights would silently go stale if the parameters changed afterwards (a training step, a
-``load_state_dict``) or another model of the same class came along: every parameter's identity and
-version counter are recorded at compile time and compared at each ``compiled_step`` call, and any
-change compiles anew, from a clean slate. Meant for inference on fixed weights (``mmformer generate
---compile``, benchmarks, serving), not for samples generated between training steps.
+``load_state_dict``) or another model of the same class came along: every parameter's identity,
+version counter and storage are recorded at compile time and compared at each ``compiled_step``
+call, and any change compiles anew, from a clean slate (``compiled_step`` says what it cannot see).
+Meant for inference on fixed weights (``mmformer generate --compile``, benchmarks, serving), not for
+samples generated between training steps.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
-_current: dict = {}  # the one compiled step: model (weak reference), its weights' versions, the step
+_current: dict = {}  # the one compiled step: its model, the weights' fingerprint, the step
 
 
-def _versions(model: nn.Module) -> tuple[tuple[int, int], ...]:
-    """Identity and in-place-modification counter of every parameter."""
-    return tuple((id(p), p._version) for p in model.parameters())
+def _fingerprint(model: nn.Module) -> tuple:
+    """Per parameter and buffer: identity, in-place-modification counter, storage, dtype, device, strides —
+    what changes when weights are updated in place (optimizer steps, ``load_state_dict``), replaced
+    (``assign=True``, LoRA merges) or re-stored (``p.data = …``, ``.to()``)."""
+    return tuple(
+        (id(t), t._version, t.data_ptr(), t.dtype, t.device, t.stride())
+        for t in (*model.parameters(), *model.buffers())
+    )
 
 
 def compiled_step(model: nn.Module) -> Callable:
     """The compiled ``model.forward`` for decoding steps (call it under ``torch.no_grad``), compiled at
     the first call and reused while it is asked for the same model with unchanged weights. Same
-    arguments and result as ``model.forward``; the ids generated equal the eager model's
-    (``tests/models/test_compiled_decoding.py``).
+    arguments and result as ``model.forward`` up to the rounding of fused kernels (greedy ids equal the
+    eager model's in ``tests/models/test_compiled_decoding.py`` and in ``bench/peers.py``).
 
-    For another model, or after the weights changed, every compiled graph of the process is dropped
-    first (``torch._dynamo.reset()``): dynamo keys its compiled code by the Python function, not by the
-    module's weights, so a frozen graph would otherwise be reused with the old values (tested). Other
-    ``torch.compile``d code of the process (compiled training blocks) recompiles at its next call.
+    For another model, or after the weights changed (``_fingerprint``), every compiled graph of the
+    process is dropped first (``torch._dynamo.reset()``): dynamo keys its compiled code by the Python
+    function, not by the module's weights, so a frozen graph would otherwise be reused with the old
+    values (tested). Other ``torch.compile``d code of the process (compiled training blocks) recompiles
+    at its next call; alternating between two models recompiles at every switch. Not detected: writes
+    through ``p.data`` (``p.data.copy_(…)``), which bypass the version counter — call ``clear()`` after
+    them. The last model stays referenced (and its graphs cached by dynamo) until ``clear()``.
     """
-    versions = _versions(model)
-    owner = _current.get("model")
-    if owner is None or owner() is not model or _current["versions"] != versions:
-        if owner is not None:
+    fingerprint = _fingerprint(model)
+    if _current.get("model") is not model or _current["fingerprint"] != fingerprint:
+        if _current:
             torch._dynamo.reset()
         _current.update(
-            model=weakref.ref(model),
-            versions=versions,
+            model=model,
+            fingerprint=fingerprint,
             step=_frozen(torch.compile(model.forward, dynamic=True)),
         )
     return _current["step"]
+
+
+def clear() -> None:
+    """Forget the compiled step and every graph dynamo holds (``torch._dynamo.reset()``), releasing the
+    model and its frozen weights."""
+    if _current:
+        _current.clear()
+        torch._dynamo.reset()
 
 
 def _frozen(compiled: Callable) -> Callable:

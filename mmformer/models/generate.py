@@ -62,7 +62,8 @@ def generate(
     up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step.
 
     ``compile``: run the steps after the prompt as one compiled graph (``compiled_decoding``: the same
-    ids, faster per token once compiled; the first call compiles for a minute or two).
+    greedy ids up to fused kernels' rounding, faster per token once compiled; the first call compiles
+    for minutes; for fixed weights — a change of weights or model recompiles).
 
     With learned absolute positions (``max_len``) the continuation stops at the end of the context.
     Raises ``ValueError`` for an empty prompt or a prompt that already fills the context.

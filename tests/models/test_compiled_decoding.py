@@ -47,6 +47,15 @@ def test_compiled_steps_generate_the_eager_ids_and_follow_weight_changes():
     assert compiled == changed and changed != eager
     assert compiled_decoding._current["step"] is not step
 
+    step = compiled_decoding._current["step"]
+    with torch.no_grad():  # weights re-stored without an in-place write (no version bump)
+        for p in model.parameters():
+            p.data = p.data * 0.7 - 0.02
+    restored, compiled = both(12)
+    assert compiled == restored != changed and compiled_decoding._current["step"] is not step
+
     other = build_llama(CONFIG).eval()  # another model of the same class: its own weights, not the last
     want = generate(other, "text", "lm", ids, valid, 12)
-    assert generate(other, "text", "lm", ids, valid, 12, compile=True) == want != changed
+    assert generate(other, "text", "lm", ids, valid, 12, compile=True) == want != restored
+    compiled_decoding.clear()
+    assert not compiled_decoding._current
