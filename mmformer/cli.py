@@ -561,8 +561,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--compile",
         action="store_true",
-        help="decode with a compiled graph (torch.compile, frozen weights): faster per token for long "
-        "generations, after a compile of a few minutes",
+        help="decode with a compiled graph (torch.compile, frozen weights): ~1.4x faster per token, after a "
+        "compile of a few minutes — worth it for thousands of new tokens, not for a short answer",
     )
     g.set_defaults(fn=cmd_generate)
     e = sub.add_parser(
