@@ -707,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if e.args else str(e)
         print(f"mmformer: error: {msg}", file=sys.stderr)
         return 2
-    if not had_group:
+    if not had_group and _process_group_initialized():
         _close_process_group()
     return rc
 
@@ -729,8 +729,6 @@ def _close_process_group() -> None:
     normal return: a rank that failed must not wait on the others here (torchtitan does the same). A
     group the caller had before ``main`` is left alone; a failure here is logged, the run's result stands.
     """
-    if not _process_group_initialized():
-        return
     import torch.distributed as dist
 
     try:

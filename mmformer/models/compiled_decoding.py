@@ -7,10 +7,10 @@ remove that, a graph can. Inductor fuses the norms, RoPE, SiLU and residual adds
 few generated kernels, and ``freezing`` (inference only) treats the weights as constants and
 prepacks them for the CPU's matrix kernels (``torch._inductor.config.freezing``; measured at batch 4
 while a graph break still split every block: 0.76× eager without freezing, 1.07× with). The blocks
-trace as one graph: the only data-dependent checks left run before them (``MaskSpec.from_tokens``). Measured on the real
-SmolLM2-135M, 2 CPU threads, against transformers' ``generate`` in the same run: batch 1 **1.46×**,
-batch 4 **1.37×** its speed, the same greedy ids (``python bench/peers.py --only generate
---compile-decoding``; eager mmformer is at parity with it).
+trace as one graph: the only data-dependent checks left run before them (``MaskSpec.from_tokens``).
+Measured on the real SmolLM2-135M, 2 CPU threads, against transformers' ``generate`` in the same run:
+batch 1 **1.46×**, batch 4 **1.37×** its speed, the same greedy ids (``python bench/peers.py --only
+generate --compile-decoding``; eager mmformer is at parity with it).
 
 Costs: the first call compiles (about 2–4 minutes for SmolLM2's 30 blocks on 2 cores, partly
 cached by inductor on disk for later processes); prepacked weights may add a copy in memory.
