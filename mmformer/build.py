@@ -112,6 +112,7 @@ from .training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
 from .training.freeze import FreezePretrained
 from .training.fsdp2 import FSDP2Strategy
 from .training.loggers import build_loggers
+from .training.preemption import StopOnSignal
 from .training.runs import Run, RunFolder
 from .training.sharded_ema import ShardedEMAWeights
 
@@ -1071,6 +1072,8 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
         auto_insert_metric_name=False,  # validation only: a step-triggered save would carry a stale score
     )
     last = [LastCheckpoint(str(run.checkpoints), ck.every_n_train_steps)] if ck.save_last else []
+    # after the checkpoint callbacks: a stop on a signal keeps the best / last checkpoints of its step
+    stop = StopOnSignal(last[0] if last else None)
     # Redrawn every step on a terminal; into a log file, a line every 20 steps is plenty.
     progress = (
         [TQDMProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20)]
@@ -1122,6 +1125,7 @@ def build_trainer(recipe: RecipeConfig, run: Run, module: MultiTaskModule, extra
             RunFolder(run, recipe_to_yaml(recipe)),
             checkpoint,
             *last,
+            stop,
             ThroughputLogger(),
             BadSampleReport(),
             TextSamples(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -28,17 +29,29 @@ def _say(msg: str) -> None:
 
 
 def cmd_train(args) -> int:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from .config import load_recipe
+    from .training.preemption import Preempted
 
     recipe = load_recipe(args.recipe, args.overrides)
-    trainer, run = train(recipe, verbose=True)
+    kept = [o for o in args.overrides if not o.startswith("resume=")]
+    again = " ".join(["mmformer train", str(args.recipe), *kept, "resume=auto"])
+    try:
+        trainer, run = train(recipe, verbose=True)
+    except Preempted as e:  # every rank stopped at the same step; exit as the signal's default would
+        saved = (
+            f"saved {e.checkpoint}" if e.checkpoint else "no checkpoint saved (checkpoint.save_last=false)"
+        )
+        _say(f"stopped by {signal.Signals(e.signum).name} at step {e.step}; {saved}\ncontinue with: {again}")
+        return e.exit_code
+    except SIGTERMException:  # Lightning's own handler (a signal before the run's handler was installed)
+        _say(f"stopped by SIGTERM before training started; continue with: {again}")
+        return 143
     if not trainer.is_global_zero:
         return 0
     if trainer.interrupted:
-        print(
-            f"interrupted at step {trainer.global_step}; run folder: {run.dir}\n"
-            f"continue with: mmformer train {args.recipe} {' '.join(args.overrides)} resume=auto".rstrip()
-        )
+        print(f"interrupted at step {trainer.global_step}; run folder: {run.dir}\ncontinue with: {again}")
         return 130
     _report(trainer, run)
     return 0

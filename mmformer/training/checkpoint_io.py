@@ -12,7 +12,6 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -65,29 +64,11 @@ class LastCheckpoint(ModelCheckpoint):
         if self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
             self._save_checkpoint(trainer, self.format_checkpoint_name({}))
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        # SIGTERM (preemption, scancel, docker stop) may reach one rank, or reach ranks a step apart:
-        # agree first (one all-reduce), then every rank saves at this same step and stops after it.
-        if trainer.fit_loop.epoch_loop._should_accumulate():
-            return  # mid accumulation window: finish it first, or its gradients would be lost
-        stop = trainer.received_sigterm
-        if trainer.world_size > 1:
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if stop:
-            trainer._signal_connector.received_sigterm = True  # Lightning stops every rank after this step
-            if self._last_global_step_saved != trainer.global_step:
-                rank_zero_info(
-                    f"SIGTERM at step {trainer.global_step}: saving {self.format_checkpoint_name({})}"
-                )
-                self._save_checkpoint(trainer, self.format_checkpoint_name({}))
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        # SIGTERM outside a training step (during validation): one process can save safely; several
-        # might not all be here, so they keep the last agreed checkpoint.
-        if (
-            isinstance(exception, SIGTERMException)
-            and trainer.world_size == 1
-            and self._last_global_step_saved != trainer.global_step
-        ):
-            self._save_checkpoint(trainer, self.format_checkpoint_name({}))
+    def save_now(self, trainer) -> str:
+        """Write ``last.ckpt`` now unless it already holds this step (every rank calls this at the same
+        point: a stop on a signal); returns its path."""
+        path = self.format_checkpoint_name({})
+        if self._last_global_step_saved != trainer.global_step:
+            rank_zero_info(f"saving {path} at step {trainer.global_step}")
+            self._save_checkpoint(trainer, path)
+        return path

@@ -5,30 +5,33 @@ gradient accumulation."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from mmformer.cli import train
 from mmformer.config import load_recipe
 from mmformer.data.datamodule import EveryTask
 from mmformer.data.samplers import ResumableShardSampler
 from mmformer.data.task_schedule import SampledTasks
+from mmformer.training.preemption import Preempted
 from tests.conftest import make_image_folder
 from tests.multitask.test_joint_training import JOINT
 
 
 class PreemptAtStep(L.Callback):
-    """Simulates a SIGTERM arriving during optimizer step ``step``: ``LastCheckpoint`` writes
-    ``last.ckpt`` mid-epoch at the end of the next step (or accumulation window) and the run stops."""
+    """Sends this process SIGTERM after the batch that ends optimizer step ``step``: the run writes
+    ``last.ckpt`` mid-epoch at the end of the next step (or accumulation window) and stops."""
 
     def __init__(self, step: int):
         self.step = step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            trainer._signal_connector.received_sigterm = True
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SeenSamples(L.Callback):
@@ -79,7 +82,7 @@ def test_stop_mid_epoch_and_resume_equals_uninterrupted(workdir, overrides):
     steps = full.global_step
     stop = steps // 4 + 1  # inside epoch 0, not at a window boundary of every layout
     seen_a, seen_b = SeenSamples(), SeenSamples()
-    with pytest.raises(SIGTERMException):
+    with pytest.raises(Preempted):
         train(load_recipe(workdir / "joint.yaml", [*base, "name=part"]), [PreemptAtStep(stop), seen_a])
     (last,) = (workdir / "runs" / "part").glob("*/checkpoints/last.ckpt")
     saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]

@@ -13,6 +13,7 @@ from mmformer.cli import train
 from mmformer.config import load_recipe
 from mmformer.tasks.classification import ClassificationTask
 from mmformer.tasks.router import all_finite
+from mmformer.training.preemption import Preempted
 
 
 class Snapshots(L.Callback):
@@ -112,7 +113,7 @@ class SigtermAt(L.Callback):
 
 def test_sigterm_saves_last_checkpoint_after_the_current_step_and_resume_continues(tiny_recipe, workdir):
     recipe = load_recipe(tiny_recipe, ["trainer.max_epochs=2"])  # 4 steps per epoch
-    with pytest.raises(SystemExit):
+    with pytest.raises(Preempted):
         train(recipe, extra_callbacks=[SigtermAt(5)])  # mid-epoch 1, between validations
     (run,) = (workdir / "runs" / "tiny").iterdir()
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
