@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .config import RecipeError, recipe_from_yaml
+from .build import build_datamodule
+from .build import load_checkpoint as load_training_checkpoint
+from .errors import RecipeError
 
 
 @dataclass
@@ -24,6 +26,7 @@ class Loaded:
 
     module: nn.Module  # the MultiTaskModule
     recipe: object
+    context: object  # the BuildContext that rebuilt it (the checkpoint's tokenizers)
 
     @property
     def model(self):
@@ -33,27 +36,9 @@ class Loaded:
 def load_checkpoint(path: Path, task_kind: str) -> tuple[Loaded, str]:
     """``(loaded, task name)`` for the first task of kind ``task_kind`` in an mmformer checkpoint (the
     weights it holds: EMA weights when the run kept them). Raises ``FileNotFoundError``/``RecipeError``."""
-    from .build import build_module, pin_checkpoint
-    from .training.sharded import is_sharded, read_checkpoint
-
-    if not (Path(path).is_file() or is_sharded(path)):
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    ckpt = read_checkpoint(path)
-    state = ckpt.get("mmformer", {})
-    if "recipe_yaml" not in state:
-        raise RecipeError(f"{path} is not an mmformer training checkpoint (it carries no recipe)")
-    recipe = recipe_from_yaml(state["recipe_yaml"])
-    name = next((n for n, t in recipe.tasks.items() if t.kind == task_kind), None)
-    if name is None:
-        kinds = sorted({t.kind for t in recipe.tasks.values()})
-        raise RecipeError(f"{path} has no {task_kind} task (its tasks are {', '.join(kinds)})")
-    pin_checkpoint(ckpt)
-    try:
-        module = build_module(recipe)
-    finally:
-        pin_checkpoint(None)
-    module.load_state_dict(ckpt["state_dict"])
-    return Loaded(module.eval(), recipe), name
+    checkpoint = load_training_checkpoint(path)
+    name = checkpoint.task(task_kind)
+    return Loaded(checkpoint.module().eval(), checkpoint.recipe, checkpoint.context), name
 
 
 class ClassifierFeatures(nn.Module):
@@ -135,9 +120,7 @@ def evaluate_class_conditional(
 
 def real_images(loaded: Loaded, task_name: str, limit: int | None = None) -> Tensor:
     """The validation images of a task's data, uint8 ``(N, C, H, W)``."""
-    from .build import build_datamodule
-
-    datamodule = build_datamodule(loaded.recipe)
+    datamodule = build_datamodule(loaded.recipe, loaded.context)
     datamodule.setup("validate")
     data = datamodule.data[task_name].val
     n = len(data) if limit is None else min(limit, len(data))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mmformer.config import RecipeError, load_recipe, recipe_from_yaml, recipe_to_yaml
+from mmformer.recipe import RecipeError, load_recipe, recipe_from_yaml, recipe_to_yaml
 from mmformer.registry import lookup, register
 
 QUICKSTART = Path(__file__).parents[1] / "recipes/image/vit_tiny_classify_mnist5k.yaml"
@@ -117,7 +117,7 @@ def test_user_registered_component_is_validated(tmp_path):
         width: int = 8
 
     @register("head", "wide_head_test", WideHeadConfig)
-    def build(cfg, d_model, tokenizer):
+    def build(cfg, d_model, tokenizer, ctx):
         raise NotImplementedError
 
     assert lookup("head", "wide_head_test").config is WideHeadConfig
@@ -183,12 +183,12 @@ trainer: {max_epochs: 1}
 
 
 def test_whisper_conv_tokenizer_is_an_audio_kind_with_thirty_seconds_of_positions(tmp_path):
-    from mmformer.build import build_model, tokenizer_modality
+    from mmformer.build import BuildContext, build_model
 
     path = tmp_path / "conv.yaml"
     path.write_text(WHISPER_CONV_RECIPE)
     r = load_recipe(path)
-    assert tokenizer_modality(r.model.tokenizers["audio"]) == "audio"
+    assert BuildContext(r).tokenizer_modality(r.model.tokenizers["audio"]) == "audio"
     assert r.model.tokenizers["audio"].sample_rate == 16_000
     tok = build_model(r).tokenizers["audio"]
     assert tok.n_ctx == 251 and tok.pos_embed.shape == (251, 384)  # 5 s: 500 frames → 250 tokens

@@ -68,12 +68,13 @@ def test_a_finished_command_destroys_the_process_group_it_created(tmp_path, monk
     import torch.distributed as dist
 
     from mmformer import cli
+    from mmformer.commands import info
 
     def command_that_starts_a_group(args):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'own'}", rank=0, world_size=1)
         return 0
 
-    monkeypatch.setattr(cli, "cmd_info", command_that_starts_a_group)
+    monkeypatch.setattr(info, "cmd_info", command_that_starts_a_group)
     try:
         assert cli.main(["info", "any.yaml"]) == 0
         assert not dist.is_initialized()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mmformer.cli import main
-from mmformer.config import load_recipe
+from mmformer.recipe import load_recipe
 from mmformer.data.prepare import BUNDLED
 
 ROOT = Path(__file__).parents[1]

@@ -10,8 +10,9 @@ import lightning as L
 import pytest
 import torch
 
-from mmformer.cli import main, train
-from mmformer.config import load_recipe, recipe_from_yaml
+from mmformer.cli import main
+from mmformer.commands.train import train
+from mmformer.recipe import load_recipe, recipe_from_yaml
 from tests.wandb_records import history_and_config
 
 

@@ -21,7 +21,7 @@ def _augment(cfg, image_size: int) -> list:
     return aug
 
 
-def _preprocess(cfg, tok) -> tuple[ImagePreprocess, ImagePreprocess]:
+def image_preprocess(cfg, tok) -> tuple[ImagePreprocess, ImagePreprocess]:
     train = ImagePreprocess(tok.image_size, tok.in_chans, _augment(cfg, tok.image_size))
     val = ImagePreprocess(tok.image_size, tok.in_chans)
     return train, val
@@ -42,7 +42,7 @@ def image_folder_data(cfg, tok, num_classes: int | None = None) -> TaskData:
             f"{root / cfg.train_split} has {len(classes)} class folders ({shown}) but the head "
             f"has num_classes={num_classes}"
         )
-    train_tf, val_tf = _preprocess(cfg, tok)
+    train_tf, val_tf = image_preprocess(cfg, tok)
     train = ImageFolder(root / cfg.train_split, classes, train_tf, cfg.cache)
     val = ImageFolder(root / cfg.val_split, classes, val_tf, cfg.cache)
     return TaskData(
@@ -77,7 +77,7 @@ def cifar10_data(cfg, tok, num_classes: int | None = None) -> TaskData:
         )
     if num_classes is not None and num_classes != 10:
         raise DataError(f"CIFAR-10 has 10 classes but the head has num_classes={num_classes}")
-    train_tf, val_tf = _preprocess(cfg, tok)
+    train_tf, val_tf = image_preprocess(cfg, tok)
     return TaskData(
         train=TorchvisionClassification(CIFAR10(str(root), train=True, download=cfg.download), train_tf),
         val=TorchvisionClassification(CIFAR10(str(root), train=False, download=cfg.download), val_tf),

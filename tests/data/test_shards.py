@@ -99,7 +99,7 @@ def test_shards_decode_like_the_folder_and_train_through_the_cli(image_shards, w
     assert finals
     # validation items (no augmentation) equal the folder dataset's, image for image
     from mmformer.build import build_datamodule
-    from mmformer.config import load_recipe
+    from mmformer.recipe import load_recipe
 
     from_shards = list(build_datamodule(load_recipe(recipe)).data["toy"].val)
     (workdir / "folder.yaml").write_text(text)

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mmformer.cli import main
-from mmformer.config import RecipeError, recipe_from_yaml
+from mmformer.recipe import RecipeError, recipe_from_yaml
 from mmformer.data.roots import DataError
 from tests.conftest import make_image_folder
 
@@ -217,7 +217,7 @@ def test_only_keeps_one_task_and_the_parts_it_uses(joint):
     assert list(recipe.tasks) == ["corpus"] and recipe.name == "joint-only-corpus"
     assert list(recipe.model.tokenizers) == ["text"] and list(recipe.model.heads) == ["lm"]
     assert recipe.multitask.schedule == "all" and not recipe.multitask.sample_weights
-    from mmformer.config import recipe_to_yaml
+    from mmformer.recipe import recipe_to_yaml
 
     assert recipe_from_yaml(recipe_to_yaml(recipe)) == recipe  # reloads (from a checkpoint) unchanged
     with pytest.raises(RecipeError, match="Did you mean 'corpus'"):

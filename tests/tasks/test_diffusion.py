@@ -127,7 +127,7 @@ def test_learned_variance_trains(workdir, capsys):
 )
 def test_recipe_mistakes_are_named(overrides, message):
     from mmformer.build import build_module
-    from mmformer.config import RecipeError, load_recipe
+    from mmformer.recipe import RecipeError, load_recipe
 
     with pytest.raises(RecipeError, match=message):
         build_module(load_recipe(MNIST_RECIPE, overrides))
@@ -223,7 +223,7 @@ def test_caption_conditioning_differs_by_caption_and_null_is_learned():
 
 def test_validation_reports_the_unconditional_loss_on_the_same_noise():
     from mmformer.build import build_module
-    from mmformer.config import recipe_from_yaml
+    from mmformer.recipe import recipe_from_yaml
 
     recipe = RECIPE.format(root="unused", objective="gaussian", learn_sigma="false", logger="disabled")
     module = build_module(recipe_from_yaml(recipe))

@@ -92,7 +92,7 @@ def test_lora_recipe_trains_only_adapters_and_exports_merged(workdir, pretrained
     assert main(["export", str(ckpt), str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    from mmformer.cli import _generation_model
+    from mmformer.commands.generate import _generation_model
 
     model, tok, _, _ = _generation_model(ckpt)  # the unmerged adapter model
     ids = torch.tensor([tok.encode(VERSES[0])])
@@ -121,7 +121,7 @@ def test_full_finetune_with_frozen_embeddings_and_first_block(workdir, pretraine
 
 def test_lora_needs_a_pretrained_backbone_and_a_pretrained_head_needs_its_tokenizer(workdir, pretrained_dir):
     from mmformer.build import build_model
-    from mmformer.config import RecipeError, recipe_from_yaml
+    from mmformer.recipe import RecipeError, recipe_from_yaml
 
     (workdir / "corpus.txt").write_text("\n\n".join(VERSES) + "\n")
     text = RECIPE.format(

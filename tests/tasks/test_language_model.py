@@ -145,7 +145,7 @@ def test_perplexity_is_exp_of_the_token_weighted_loss():
 
 def test_lm_checkpoint_monitor_direction_and_context_check(workdir):
     from mmformer.build import build_module, default_monitor
-    from mmformer.config import RecipeError, recipe_from_yaml
+    from mmformer.recipe import RecipeError, recipe_from_yaml
 
     corpus = workdir / "c.txt"
     corpus.write_text("\n\n".join(f"doc {i} and some words" for i in range(8)))

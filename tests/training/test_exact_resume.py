@@ -12,8 +12,8 @@ import lightning as L
 import pytest
 import torch
 
-from mmformer.cli import train
-from mmformer.config import load_recipe
+from mmformer.commands.train import train
+from mmformer.recipe import load_recipe
 from mmformer.data.datamodule import EveryTask
 from mmformer.data.samplers import ResumableShardSampler
 from mmformer.data.task_schedule import SampledTasks

@@ -60,7 +60,7 @@ def test_sharded_ema_equals_ddp_ema_across_a_resume_and_text_samples_are_logged(
 def test_sharded_ema_with_sharded_checkpoints_is_refused(workdir):
     recipe = workdir / "lm.yaml"
     recipe.write_text(LM.format(name="lm", corpus=_corpus(workdir / "corpus.txt")))
-    from mmformer.config import RecipeError, load_recipe
+    from mmformer.recipe import RecipeError, load_recipe
 
     with pytest.raises(RecipeError, match="checkpoint.sharded"):
         load_recipe(recipe, ["optim.ema_decay=0.9", *FSDP2, "checkpoint.sharded=true"])

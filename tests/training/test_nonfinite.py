@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mmformer.cli import train
-from mmformer.config import load_recipe
+from mmformer.commands.train import train
+from mmformer.recipe import load_recipe
 from mmformer.tasks.classification import ClassificationTask
 from mmformer.tasks.router import all_finite
 from mmformer.training.preemption import Preempted

@@ -46,7 +46,7 @@ def test_warmup_then_cosine_exact():
 
 
 def test_scheduler_drives_optimizer_lr():
-    from mmformer.config import OptimConfig
+    from mmformer.recipe import OptimConfig
 
     p = torch.nn.Parameter(torch.zeros(2, 2))
     cfg = OptimConfig(lr=1e-2, warmup_steps=4, min_lr=1e-3)
@@ -94,7 +94,7 @@ def _vit(seed: int = 0) -> MultimodalModel:
 
 
 def test_fused_adamw_is_the_default_and_updates_as_the_reference_loop():
-    from mmformer.config import OptimConfig
+    from mmformer.recipe import OptimConfig
     from mmformer.training.optim import build_optimizer
 
     x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 1])

@@ -17,8 +17,8 @@ import lightning as L
 import pytest
 import torch
 
-from mmformer.cli import train
-from mmformer.config import load_recipe
+from mmformer.commands.train import train
+from mmformer.recipe import load_recipe
 from mmformer.training.preemption import Preempted
 
 EPOCHS = 12  # 2 steps per epoch on 2 ranks (16 images, batch 4), a validation and last.ckpt after each

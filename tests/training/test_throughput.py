@@ -8,8 +8,8 @@ import csv
 import pytest
 import torch
 
-from mmformer.cli import train
-from mmformer.config import load_recipe
+from mmformer.commands.train import train
+from mmformer.recipe import load_recipe
 from mmformer.models import count_flops
 from mmformer.training.callbacks import ThroughputLogger, _Rate
 

@@ -1,0 +1,174 @@
+"""The trainer side of the composition root: callbacks, loggers, strategy and ``Trainer`` from a
+loaded recipe and its run folder, and the metric the best checkpoint monitors."""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.strategies import DDPStrategy
+
+from ..errors import RecipeError, did_you_mean
+from ..recipe import recipe_to_dict, recipe_to_yaml
+from ..tasks import MultiTaskModule
+from ..training.callbacks import (
+    AudioSamples,
+    BadSampleReport,
+    DecodedSamples,
+    DiffusionSamples,
+    EMAWeights,
+    TextSamples,
+    ThroughputLogger,
+)
+from ..training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
+from ..training.freeze import FreezePretrained
+from ..training.fsdp2 import FSDP2Strategy
+from ..training.loggers import build_loggers
+from ..training.preemption import StopOnSignal
+from ..training.runs import Run, RunFolder
+from ..training.sharded_ema import ShardedEMAWeights
+
+
+def default_monitor(recipe, module: MultiTaskModule) -> tuple[str, str]:
+    """The metric the best checkpoint tracks and its direction: ``checkpoint.monitor`` (checked against
+    the metrics the tasks log), or the first task's main validation metric.
+
+    Raises ``RecipeError`` (with a did-you-mean) for a monitor no task logs.
+    """
+    known = {"train/loss": "min"}
+    for name, task in module.tasks.items():
+        known[f"train/{name}/loss"] = "min"
+        main_name, main_mode = getattr(task, "main_metric", ("loss", "min"))
+        for metric in [*getattr(task, "val_metrics", {}), *getattr(task, "epoch_metric_names", ())]:
+            known[f"val/{name}/{metric}"] = (
+                main_mode
+                if metric == main_name
+                else ("min" if metric.endswith(("loss", "ppl", "wer", "cer")) else "max")
+            )
+    first = next(iter(recipe.tasks))
+    metric, mode = getattr(module.tasks[first], "main_metric", ("loss", "min"))
+    monitor = recipe.checkpoint.monitor or f"val/{first}/{metric}"
+    if monitor not in known:
+        raise RecipeError(
+            f"'checkpoint.monitor' is {monitor!r}, which no task logs.{did_you_mean(monitor, known)} "
+            f"Logged: {', '.join(sorted(known))}"
+        )
+    return monitor, recipe.checkpoint.mode or (mode if monitor == f"val/{first}/{metric}" else known[monitor])
+
+
+def pretrained_parts(recipe):
+    """``module → [modules of kind pretrained: tokenizers, towers, backbone]`` for ``optim.freeze_pretrained_epochs``
+    (heads are left training: a new classifier is what the frozen stage trains).
+    """
+    m = recipe.model  # that there are some, and a strategy that allows it, is checked at load
+    names = [n for n, c in m.tokenizers.items() if c.kind == "pretrained"]
+    towers = [n for n, c in m.towers.items() if c.kind == "pretrained"]
+
+    def parts(pl_module):
+        model = pl_module.model
+        return (
+            [model.tokenizers[n] for n in names]
+            + [model.towers[n] for n in towers]
+            + ([model.backbone] if m.backbone.kind == "pretrained" else [])
+        )
+
+    return parts
+
+
+def build_strategy(t, unused: bool = False, sharded: bool = False):
+    """``trainer.strategy`` as Lightning takes it: ``fsdp2`` → ``FSDP2Strategy`` (``sharded``: each rank
+    saves its own shard); ``ddp`` told about parameters that some steps leave without gradient
+    (``unused``); other names unchanged."""
+    if t.strategy == "fsdp2":
+        return FSDP2Strategy(sharded=sharded)
+    if t.strategy in ("ddp", "ddp_find_unused_parameters_true"):
+        return DDPStrategy(find_unused_parameters=unused or t.strategy != "ddp")
+    return t.strategy
+
+
+def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=()) -> L.Trainer:
+    """The Lightning ``Trainer`` of a run: checkpoints (best, last, and a stop on SIGTERM / Ctrl-C),
+    throughput and media callbacks, EMA, freezing, loggers and the distribution strategy."""
+    monitor, mode = default_monitor(recipe, module)
+    ck = recipe.checkpoint
+    checkpoint = ModelCheckpoint(
+        dirpath=str(run.checkpoints),
+        filename="best-epoch{epoch:03d}-step{step:06d}",
+        monitor=monitor,
+        mode=mode,
+        save_top_k=ck.save_top_k,
+        save_last=False,  # LastCheckpoint keeps last.ckpt fresh
+        auto_insert_metric_name=False,  # validation only: a step-triggered save would carry a stale score
+    )
+    last = [LastCheckpoint(str(run.checkpoints), ck.every_n_train_steps)] if ck.save_last else []
+    # after the checkpoint callbacks: a stop on a signal keeps the best / last checkpoints of its step
+    stop = StopOnSignal(last[0] if last else None)
+    # Redrawn every step on a terminal; into a log file, a line every 20 steps is plenty.
+    progress = (
+        [TQDMProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20)]
+        if recipe.trainer.enable_progress_bar
+        else []
+    )
+    ema = []
+    if recipe.optim.ema_decay is not None:  # under FSDP2 each rank averages its own shard
+        sharded_ema = recipe.trainer.strategy == "fsdp2"
+        ema = [(ShardedEMAWeights if sharded_ema else EMAWeights)(recipe.optim.ema_decay)]
+    freeze = []
+    if recipe.optim.freeze_pretrained_epochs:
+        freeze = [FreezePretrained(recipe.optim.freeze_pretrained_epochs, pretrained_parts(recipe))]
+    loggers = build_loggers(
+        recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
+    )
+    t = recipe.trainer
+    # frozen parameters, or the parts of the tasks a sampled step does not train, get no gradient:
+    # DDP must be told (find_unused_parameters), or it waits for them forever
+    unused = bool(freeze) or (recipe.multitask.schedule == "sampled" and len(recipe.tasks) > 1)
+    strategy = build_strategy(t, unused, sharded=recipe.checkpoint.sharded)
+    module.compile_blocks, module.checkpoint_blocks = t.compile, t.activation_checkpointing
+    kwargs = dict(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        precision=t.precision,
+        max_epochs=t.max_epochs,
+        max_steps=t.max_steps,
+        max_time=t.max_time,
+        gradient_clip_val=t.gradient_clip_val,
+        gradient_clip_algorithm=t.gradient_clip_algorithm,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval,
+        check_val_every_n_epoch=t.check_val_every_n_epoch,
+        limit_train_batches=t.limit_train_batches,
+        limit_val_batches=t.limit_val_batches,
+        num_sanity_val_steps=t.num_sanity_val_steps,
+        deterministic=t.deterministic,
+        enable_progress_bar=t.enable_progress_bar,
+        enable_model_summary=False,  # the CLI prints parameters and FLOPs per sample instead
+        inference_mode=False,  # no_grad: metric states stay usable when validate_first runs before fit
+        default_root_dir=str(run.dir),
+        use_distributed_sampler=False,  # the datamodule shards itself (no padded evaluation)
+        logger=loggers,
+        callbacks=[
+            RunFolder(run, recipe_to_yaml(recipe)),
+            checkpoint,
+            *last,
+            stop,
+            ThroughputLogger(),
+            BadSampleReport(),
+            TextSamples(),
+            AudioSamples(),
+            DecodedSamples(),
+            DiffusionSamples(),
+            *ema,
+            *freeze,
+            *progress,
+            *extra_callbacks,
+        ],
+        plugins=[AtomicCheckpointIO()],
+    )
+    trainer = L.Trainer(strategy=strategy, **kwargs)
+    if unused and strategy == "auto" and type(trainer.strategy) is DDPStrategy:  # "auto" chose DDP: tell it
+        trainer = L.Trainer(strategy=DDPStrategy(find_unused_parameters=True), **kwargs)
+    return trainer

@@ -1,0 +1,2 @@
+"""One module per ``mmformer`` command, holding the workflow it runs (``train``, ``validate``,
+``generate``, ``sample``, ``export``, ``info``, ``data``); ``mmformer.cli`` parses and dispatches."""

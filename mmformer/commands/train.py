@@ -1,0 +1,111 @@
+"""``mmformer train RECIPE [key=value …]``: train a recipe (resume, stop on a signal, report)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from ..build import BuildContext, build_datamodule, build_module, build_trainer
+from ..recipe import load_recipe, recipe_to_yaml
+from ..training.callbacks import LastValidationStep
+from ..training.loggers import finish_loggers
+from ..training.preemption import Preempted
+from ..training.runs import RESUME_ENV, RUN_ID_ENV, describe_resume, open_run
+from ..training.sharded import read_meta
+from .info import describe_model
+
+
+def _is_rank_zero() -> bool:
+    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def _say(msg: str) -> None:
+    if _is_rank_zero():
+        print(msg, flush=True)
+
+
+def cmd_train(args) -> int:
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    kept = [o for o in args.overrides if not o.startswith("resume=")]
+    again = " ".join(["mmformer train", str(args.recipe), *kept, "resume=auto"])
+    try:
+        trainer, run = train(recipe, verbose=True)
+    except Preempted as e:  # every rank stopped at the same step; exit as the signal's default would
+        saved = (
+            f"saved {e.checkpoint}" if e.checkpoint else "no checkpoint saved (checkpoint.save_last=false)"
+        )
+        _say(f"stopped by {signal.Signals(e.signum).name} at step {e.step}; {saved}\ncontinue with: {again}")
+        return e.exit_code
+    except SIGTERMException:  # Lightning's own handler (a signal before the run's handler was installed)
+        _say(f"stopped by SIGTERM before training started; continue with: {again}")
+        return 143
+    if not trainer.is_global_zero:
+        return 0
+    if trainer.interrupted:
+        print(f"interrupted at step {trainer.global_step}; run folder: {run.dir}\ncontinue with: {again}")
+        return 130
+    _report(trainer, run)
+    return 0
+
+
+def train(recipe, extra_callbacks=(), verbose: bool = False):
+    """Train a resolved recipe (what ``mmformer train`` does); returns ``(trainer, run)``.
+
+    Ends with a validation of the final weights when the last step was not already validated.
+    ``verbose`` prints the resolved recipe, the model's size and FLOPs, and what is resumed.
+    """
+
+    L.seed_everything(recipe.seed, workers=True, verbose=False)
+    run = open_run(recipe.name, recipe.resume)
+    trainer = None
+    resumed = None if run.resume_from is None else read_meta(run.resume_from)  # recipe, tokenizers, step
+    ctx = BuildContext.from_checkpoint(recipe, resumed)  # a resumed run reads data with its own tokenizers
+    try:
+        datamodule = build_datamodule(recipe, ctx)  # fails here, before anything long, on bad data paths
+        module = build_module(recipe, ctx=ctx)
+        if verbose:
+            _say("# resolved recipe\n" + recipe_to_yaml(recipe))
+            _say("\n".join(describe_model(module.model, recipe)))
+        tracker = LastValidationStep()
+        trainer = build_trainer(recipe, run, module, extra_callbacks=[tracker, *extra_callbacks])
+        if run.resume_from is not None and verbose:
+            _say(describe_resume(run, recipe_to_yaml(recipe), resumed))
+        if recipe.trainer.validate_first and run.resume_from is None:  # the "before" numbers, at step 0
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+            if verbose:
+                _say("before training: " + _val_metrics(trainer))
+        trainer.fit(
+            module, datamodule=datamodule, ckpt_path=str(run.resume_from) if run.resume_from else None
+        )
+        if not trainer.interrupted and tracker.step != trainer.global_step:  # final weights not validated yet
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+    finally:
+        if trainer is not None:
+            finish_loggers(trainer.loggers)
+        os.environ.pop(RUN_ID_ENV, None)
+        os.environ.pop(RESUME_ENV, None)
+    return trainer, run
+
+
+def _val_metrics(trainer) -> str:
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    return ", ".join(f"{k} {metrics[k]:.4f}" for k in sorted(metrics))
+
+
+def _report(trainer, run) -> None:
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    for key in sorted(metrics):
+        print(f"{key} {metrics[key]:.4f}")
+    print(f"run folder: {run.dir}")
+    print(f"checkpoints: {run.checkpoints}")
+    wandb_dir = run.dir / "wandb"
+    if wandb_dir.exists():
+        offline = sorted(wandb_dir.glob("offline-run-*"))
+        if offline:
+            print(f"W&B (offline): {offline[-1]}  — upload with: wandb sync {offline[-1]}")
+        else:
+            print(f"W&B: {wandb_dir}")

@@ -1,0 +1,153 @@
+"""Backbone kinds: ``transformer`` (the shared backbone built from its sizes, ``mmformer.models.Backbone``)
+and ``pretrained`` (the backbone of real pretrained weights, ``mmformer.models.pretrained``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from omegaconf import MISSING
+
+from ..errors import RecipeError, did_you_mean, positive, probability
+from ..models import Backbone, build_backbone
+from ..models.backbone import BLOCKS, POSITIONS
+from ..models.presets import preset
+from ..nn.attention import KERNELS, SDPA_BACKENDS
+from ..nn.mlp import ACTIVATIONS
+from ..nn.norms import NORMS
+from ..nn.tokens import MODALITY_IDS
+from ..registry import register
+from .context import BuildContext
+
+
+@dataclass
+class BackboneConfig:
+    """``model.backbone``: the shared transformer (``mmformer.models.Backbone``)."""
+
+    kind: str = "transformer"
+    preset: Optional[str] = None  # debug | tiny | small | base | large: fills unset sizes
+    d_model: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None  # grouped-query attention (1 = multi-query)
+    mlp_ratio: float = 4.0
+    mlp_hidden: Optional[int] = None  # overrides mlp_ratio · d_model
+    block: str = "pre"  # pre | post (BERT) | cross (decoder with cross-attention) | adaln (DiT) | conformer
+    conv_kernel: int = 31  # conformer: depthwise convolution width, in tokens (odd)
+    d_context: Optional[int] = None  # cross: width of the encoder output it attends to (default d_model)
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-6
+    act: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
+    qkv_bias: bool = True
+    proj_bias: bool = True  # attention output bias (Llama: false)
+    mlp_bias: bool = True
+    qk_norm: bool = False
+    drop: float = 0.0
+    attn_drop: float = 0.0
+    drop_path: float = 0.0  # stochastic depth at the last block (linear over depth)
+    layer_scale: Optional[float] = None  # initial LayerScale value, e.g. 1e-5
+    causal: bool = False
+    # modalities whose tokens attend to each other both ways in a causal backbone (Transfusion): a
+    # causal LM and image / audio tasks sharing one backbone, e.g. [image, audio]
+    bidirectional: list[str] = field(default_factory=list)
+    positions: str = "none"  # none (tokenizers add absolute ones) | rope | alibi | t5 | toeplitz
+    rel_buckets: int = 32  # t5: relative-position buckets
+    rel_max_distance: int = 128  # t5 / toeplitz: offsets beyond this share the last bucket
+    rope_base: float = 10_000.0
+    rope_axes: int = 1  # 2 = multimodal RoPE over (row, column) of patch grids (Qwen2-VL sections)
+    window: Optional[int] = None  # sliding-window attention, in tokens
+    # BigBird block-sparse attention: blocks of bigbird_block tokens read a band of bigbird_window
+    # blocks each side, bigbird_global leading blocks (which read everything) and bigbird_random others
+    bigbird_block: Optional[int] = None
+    bigbird_window: int = 1
+    bigbird_global: int = 1
+    bigbird_random: int = 1
+    d_cond: Optional[int] = None  # adaln: conditioning width (default d_model)
+    final_norm: bool = True
+    attn_kernel: str = "auto"  # auto | sdpa | flex | eager | performer (random-feature linear attention)
+    performer_features: int = 256  # performer: random features per head
+    sdpa_backend: str = "auto"  # auto | flash | efficient | cudnn | math (CUDA only)
+
+    def __post_init__(self) -> None:
+        if self.preset is not None:
+            for k, v in preset(self.preset).items():
+                if getattr(self, k) is None:
+                    setattr(self, k, v)
+        for k in ("d_model", "n_layers", "n_heads"):
+            if getattr(self, k) is None:
+                raise ValueError(f"{k} is required (or set preset: debug|tiny|small|base|large)")
+        positive(self, "d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_ratio")
+        probability(self, "drop", "attn_drop", "drop_path")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.attn_kernel not in KERNELS:
+            raise ValueError(f"attn_kernel={self.attn_kernel!r}; choose from {KERNELS}")
+        for name, allowed in (
+            ("block", BLOCKS),
+            ("norm", NORMS),
+            ("act", ACTIVATIONS),
+            ("positions", POSITIONS),
+            ("sdpa_backend", SDPA_BACKENDS),
+        ):
+            if getattr(self, name) not in allowed:
+                hint = did_you_mean(getattr(self, name), allowed, quote="'")
+                raise ValueError(f"{name}={getattr(self, name)!r}.{hint} Choose from {', '.join(allowed)}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        positive(self, "window", "mlp_hidden", "d_cond", "rope_axes")
+        for name in self.bidirectional:
+            if name not in MODALITY_IDS or name == "text":
+                allowed = [m for m in MODALITY_IDS if m != "text"]
+                raise ValueError(f"bidirectional: {name!r} is not a modality; choose from {allowed}")
+        if self.bidirectional and not self.causal:
+            raise ValueError("bidirectional lists modalities exempt from a causal mask: set causal: true")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class PretrainedBackboneConfig:
+    """``model.backbone`` of kind ``pretrained``: the backbone of real pretrained weights
+    (``mmformer.models.pretrained``: a known name, a ``.gguf`` file or an HF Llama / BERT directory)."""
+
+    kind: str = "pretrained"
+    source: str = MISSING  # smollm2-135m-instruct | all-minilm-l6-v2 | PATH
+    freeze_layers: int = 0  # freeze the first k blocks; all of them: the final norm too (the tokenizer's
+    # `freeze` freezes the embeddings)
+
+    def __post_init__(self) -> None:
+        if self.freeze_layers < 0:
+            raise ValueError(f"freeze_layers must be >= 0, got {self.freeze_layers}")
+
+
+@register("backbone", "transformer", BackboneConfig)
+def build_transformer(cfg: BackboneConfig, ctx: BuildContext) -> Backbone:
+    kwargs = {
+        f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("kind", "preset", "bidirectional")
+    }
+    kwargs["bidirectional_modalities"] = tuple(MODALITY_IDS[m] for m in cfg.bidirectional)
+    return build_backbone(**kwargs)
+
+
+def freeze(module, frozen: bool = True) -> None:
+    for p in module.parameters():
+        p.requires_grad_(not frozen)
+
+
+@register("backbone", "pretrained", PretrainedBackboneConfig)
+def build_pretrained_backbone(cfg: PretrainedBackboneConfig, ctx: BuildContext) -> Backbone:
+    backbone = ctx.pretrained(cfg.source).model.backbone
+    if cfg.freeze_layers > len(backbone.blocks):
+        raise RecipeError(
+            f"'model.backbone.freeze_layers' is {cfg.freeze_layers} but {cfg.source} has "
+            f"{len(backbone.blocks)} blocks"
+        )
+    for block in backbone.blocks[: cfg.freeze_layers]:
+        freeze(block)
+    if cfg.freeze_layers == len(backbone.blocks):  # the whole backbone: its final norm too
+        freeze(backbone.norm)
+    return backbone

@@ -1,0 +1,171 @@
+"""Loading a recipe: defaults ← recipe YAML ← ``key=value`` overrides, then every check.
+
+A recipe is YAML read by OmegaConf's own loader (``1e-3`` is a float, ``null`` is None) and merged
+into the dataclasses of ``mmformer.recipe.sections``, so unknown keys and wrong types fail with the
+full key, a did-you-mean and the expected type. Components (tokenizers, backbone, heads, tasks,
+datasets) are picked by ``kind`` from ``mmformer.registry`` (the built-ins register when
+``mmformer.components`` is imported, here): OmegaConf cannot switch between dataclass variants on
+merge, so ``kind`` is read first and the node is then merged into that kind's dataclass. Every rule
+across parts runs here too (``checks.check_recipe``), so ``info``, ``validate``, ``train`` and
+``resume`` accept and refuse the same recipes before any data is touched.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .. import components  # noqa: F401  (registers the built-in kinds the recipe picks from)
+from ..errors import RecipeError, did_you_mean
+from ..registry import lookup
+from .checks import check_recipe, keep_only
+from .sections import RecipeConfig
+
+
+def load_recipe(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeConfig:
+    """Load a recipe file (``recipe_from_yaml`` loads YAML text, e.g. from a checkpoint).
+
+    Raises:
+        RecipeError: unreadable YAML, unknown keys (with a did-you-mean), wrong types, bad values.
+        FileNotFoundError: the recipe file does not exist.
+    """
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe file not found: {path}")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as e:  # yaml.YAMLError and friends
+        raise RecipeError(f"{path}: not valid YAML: {e}") from e
+    return _resolve(raw, overrides, str(path))
+
+
+def recipe_from_yaml(text: str, overrides: list[str] | tuple[str, ...] = ()) -> RecipeConfig:
+    """Load a recipe from YAML text (as stored in checkpoints)."""
+    return _resolve(OmegaConf.create(text), overrides, "<yaml>")
+
+
+def recipe_to_yaml(recipe: RecipeConfig) -> str:
+    """The resolved recipe, defaults included, as plain YAML text (reloads to an equal recipe)."""
+    return OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(recipe)))
+
+
+def recipe_to_dict(recipe: RecipeConfig) -> dict:
+    """The resolved recipe as plain dicts / lists / scalars (for loggers and YAML)."""
+    return asdict(recipe)
+
+
+def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
+    if not isinstance(raw, DictConfig):
+        raise RecipeError(f"{origin}: a recipe must be a mapping of sections, got {type(raw).__name__}")
+    cfg = _guard("", lambda: OmegaConf.merge(OmegaConf.structured(RecipeConfig), raw), RecipeConfig)
+    for item in overrides:
+        key, value = _parse_override(item)
+        _guard("", lambda k=key, v=value: OmegaConf.update(cfg, k, v, merge=True), RecipeConfig, key)
+    _guard("", lambda: OmegaConf.resolve(cfg), RecipeConfig)
+    for f in fields(RecipeConfig):  # validate section by section, so errors name their section
+        if is_dataclass(f.type) or f.name in ("optim", "trainer", "logger", "checkpoint", "multitask"):
+            _guard(f.name, lambda n=f.name: OmegaConf.to_object(cfg[n]), RecipeConfig)
+    recipe: RecipeConfig = _guard("", lambda: OmegaConf.to_object(cfg), RecipeConfig)
+
+    model = recipe.model
+    model.backbone = _component("backbone", model.backbone, "model.backbone", default_kind="transformer")
+    model.tokenizers = {
+        k: _component("tokenizer", v, f"model.tokenizers.{k}") for k, v in model.tokenizers.items()
+    }
+    model.towers = {
+        k: _component("backbone", v, f"model.towers.{k}", default_kind="transformer")
+        for k, v in model.towers.items()
+    }
+    model.heads = {k: _component("head", v, f"model.heads.{k}") for k, v in model.heads.items()}
+    tasks = {}
+    for name, node in recipe.tasks.items():
+        task = _component("task", node, f"tasks.{name}")
+        task.data = _component("dataset", task.data, f"tasks.{name}.data")
+        tasks[name] = task
+    recipe.tasks = tasks
+    if recipe.multitask.only:
+        keep_only(recipe, recipe.multitask.only)
+    check_recipe(recipe)
+    return recipe
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise RecipeError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
+    key, _, text = item.partition("=")
+    value = OmegaConf.from_dotlist([f"v={text}"]).v  # YAML typing: 1e-3 float, null None, false bool
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    return key.strip(), value
+
+
+def _component(group: str, node: Any, where: str, default_kind: str | None = None):
+    """Validate one component node against the dataclass registered for its ``kind``."""
+    if not isinstance(node, dict):
+        raise RecipeError(f"'{where}' must be a mapping with a 'kind', got {node!r}")
+    kind = node.get("kind", default_kind)
+    if kind is None:
+        raise RecipeError(f"'{where}' needs a 'kind' (the {group} to build)")
+    try:
+        entry = lookup(group, kind, where + ".kind")
+    except KeyError as e:
+        raise RecipeError(e.args[0]) from None
+    node = dict(node, kind=kind)
+    merged = _guard(where, lambda: OmegaConf.merge(OmegaConf.structured(entry.config), node), entry.config)
+    return _guard(where, lambda: OmegaConf.to_object(merged), entry.config)
+
+
+def _guard(prefix: str, fn, schema: type, key_hint: str | None = None):
+    """Run an OmegaConf operation, turning its errors into a RecipeError naming the full key."""
+    try:
+        return fn()
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or key_hint or ""
+        full = f"{prefix}.{key}" if prefix and key else (prefix or key)
+        first = str(e).split("\n")[0]
+        if "not in" in first or "Key '" in first and "not" in first:
+            raise RecipeError(_unknown_key_message(full, schema, key)) from None
+        if "Missing mandatory value" in first:
+            raise RecipeError(f"'{full}' is required but not set") from None
+        m = re.match(r"Value '(.*)' of type '(.*)' could not be converted to (\w+)", first)
+        if m:
+            expected = {"Integer": "int", "Float": "float", "Boolean": "bool", "String": "str"}.get(
+                m.group(3), m.group(3)
+            )
+            raise RecipeError(f"'{full}' expects {expected}, got {m.group(1)!r} ({m.group(2)})") from None
+        raise RecipeError(f"'{full}': {first}") from None
+    except (ValueError, TypeError, KeyError) as e:
+        if isinstance(e, RecipeError):
+            raise
+        raise RecipeError(f"'{prefix or schema.__name__}': {e.args[0] if e.args else e}") from None
+
+
+def _unknown_key_message(full: str, schema: type, key: str) -> str:
+    parent = _schema_at(schema, key.split(".")[:-1]) if key else None
+    last = full.split(".")[-1]
+    options = [f.name for f in fields(parent)] if parent else []
+    base = full.rsplit(".", 1)[0] + "." if "." in full else ""
+    hint = did_you_mean(last, options, cutoff=0.5).replace(" Did you mean '", f" Did you mean '{base}")
+    valid = f" Valid keys here: {', '.join(options)}." if options else ""
+    return f"unknown recipe key '{full}'.{hint}{valid}"
+
+
+def _schema_at(schema: type, path: list[str]) -> type | None:
+    """The dataclass that describes the node at ``path`` inside ``schema`` (None when free-form)."""
+    cls = schema
+    for part in path:
+        if not is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None
+        cls = hints[part]
+        if typing.get_origin(cls) is not None:  # dict / list / Optional: free-form below here
+            return None
+    return cls if is_dataclass(cls) else None
