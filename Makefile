@@ -1,4 +1,6 @@
 # mmformer — the two commands a newcomer needs: `make train` and `make test`.
+# `make test` is the fast tier (no @pytest.mark.slow tests, a few minutes); `make test-all` runs every
+# test (real pretrained weights, recipe runs, multi-process launches, compiles: about half an hour).
 # Everything installs into .venv; re-running is a no-op unless pyproject.toml changed.
 
 PYTHON ?= python3
@@ -10,7 +12,7 @@ ARGS   ?=
 DATA   ?= mnist5k
 LINT_PATHS := mmformer tests $(wildcard bench)
 
-.PHONY: install train test data lint format clean
+.PHONY: install train test test-all data lint format clean
 
 install: $(STAMP)
 
@@ -31,6 +33,9 @@ train: install
 	$(BIN)/mmformer train $(RECIPE) $(ARGS)
 
 test: install
+	$(BIN)/python -m pytest tests -m "not slow"
+
+test-all: install
 	$(BIN)/python -m pytest tests
 
 data: install

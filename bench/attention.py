@@ -30,8 +30,7 @@ def measure(
 
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
-    attn = Attention(heads * head_dim, heads, kernel=kernel).to(device, dt)
-    attn.n_features = features
+    attn = Attention(heads * head_dim, heads, kernel=kernel, performer_features=features).to(device, dt)
     x = torch.randn(1, n, heads * head_dim, device=device, dtype=dt)
     mask = MaskSpec(causal=True)
     train = not (kernel == "flex" and device == "cpu")  # flex has no CPU backward

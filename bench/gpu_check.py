@@ -29,7 +29,7 @@ import time
 import torch
 import torch._dynamo
 
-from mmformer.models import build_backbone
+from mmformer.models import AttentionConfig, MlpConfig, PositionConfig, build_backbone
 from mmformer.models.presets import PRESETS
 from mmformer.nn import Attention, AttentionInputs, MaskSpec, Tokens
 from mmformer.nn.positions import alibi_slopes
@@ -254,7 +254,9 @@ def train_step_mfu(device: str, peak: float, cfgs: dict) -> None:
     rows = []
     for name, (size, kwargs, batch, n) in cfgs.items():
         torch.manual_seed(0)
-        backbone = build_backbone(**size, **kwargs).to(device)
+        kwargs = dict(kwargs)  # build_backbone's keywords; "attention": AttentionConfig's beyond n_heads
+        attention = AttentionConfig(size["n_heads"], **kwargs.pop("attention", {}))
+        backbone = build_backbone(size["d_model"], size["n_layers"], attention, **kwargs).to(device)
         opt = torch.optim.AdamW(backbone.parameters(), lr=1e-4, fused=device == "cuda")
         x = torch.randn(batch, n, size["d_model"], device=device)
 
@@ -309,17 +311,20 @@ def main() -> None:
     models = (
         {
             "ViT-B/16 (197 tokens)": (PRESETS["base"], {}, 128, 197),
-            "GPT-2 small (1024 ctx)": (PRESETS["base"], {"causal": True, "act": "gelu_tanh"}, 16, 1024),
+            "GPT-2 small (1024 ctx)": (
+                PRESETS["base"],
+                {"causal": True, "mlp": MlpConfig(act="gelu_tanh")},
+                16,
+                1024,
+            ),
             "Llama-style (2048 ctx)": (
                 PRESETS["base"],
                 {
+                    "attention": {"n_kv_heads": 4, "qkv_bias": False},
                     "causal": True,
                     "norm": "rmsnorm",
-                    "act": "swiglu",
-                    "positions": "rope",
-                    "n_kv_heads": 4,
-                    "qkv_bias": False,
-                    "mlp_bias": False,
+                    "mlp": MlpConfig(act="swiglu", bias=False),
+                    "positions": PositionConfig("rope"),
                 },
                 8,
                 2048,
@@ -328,7 +333,12 @@ def main() -> None:
         if big
         else {
             "debug": (PRESETS["debug"], {}, 2, 16),
-            "debug causal rope": (PRESETS["debug"], {"causal": True, "positions": "rope"}, 2, 16),
+            "debug causal rope": (
+                PRESETS["debug"],
+                {"causal": True, "positions": PositionConfig("rope")},
+                2,
+                16,
+            ),
         }
     )
     section("train_step", train_step_mfu, device, peak, models)

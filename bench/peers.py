@@ -179,7 +179,7 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def bench_vit(s: Settings) -> list[Result]:
     import timm
 
-    from mmformer.models import ClassifierHead, MultimodalModel, build_backbone
+    from mmformer.models import AttentionConfig, ClassifierHead, MlpConfig, MultimodalModel, build_backbone
     from mmformer.models.pretrained.timm_vit import timm_to_mmformer
     from mmformer.tokenizers import ViTPatchTokenizer
 
@@ -211,7 +211,13 @@ def bench_vit(s: Settings) -> list[Result]:
     d = cfg["embed_dim"]
     ours = MultimodalModel(
         {"image": ViTPatchTokenizer(d, cfg["img_size"], cfg["patch_size"], 3)},
-        build_backbone(d, cfg["depth"], cfg["num_heads"], qkv_bias=True, norm_eps=1e-6, act="gelu"),
+        build_backbone(
+            d,
+            cfg["depth"],
+            AttentionConfig(cfg["num_heads"], qkv_bias=True),
+            mlp=MlpConfig(act="gelu"),
+            norm_eps=1e-6,
+        ),
         {"cls": ClassifierHead(d, cfg["num_classes"], pool="cls")},
     )
     missing, unexpected = ours.load_state_dict(timm_to_mmformer(ref.state_dict()), strict=True)
@@ -256,7 +262,7 @@ def gpt2_to_mmformer(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, to
 def bench_gpt2(s: Settings) -> list[Result]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from mmformer.models import MultimodalModel, build_backbone
+    from mmformer.models import AttentionConfig, MlpConfig, MultimodalModel, build_backbone
     from mmformer.models.heads import LMHead
     from mmformer.tokenizers import TextEmbedding
 
@@ -295,7 +301,9 @@ def bench_gpt2(s: Settings) -> list[Result]:
     head.tie_to(emb.embed)
     ours = MultimodalModel(
         {"text": emb},
-        build_backbone(d, layers, heads, causal=True, act="gelu_tanh", norm_eps=1e-5),
+        build_backbone(
+            d, layers, AttentionConfig(heads), mlp=MlpConfig(act="gelu_tanh"), norm_eps=1e-5, causal=True
+        ),
         {"lm": head},
     )
     missing, unexpected = ours.load_state_dict(gpt2_to_mmformer(ref.state_dict(), layers), strict=True)
@@ -625,7 +633,7 @@ def dit_to_mmformer(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def bench_dit(s: Settings) -> list[Result]:
-    from mmformer.models import MultimodalModel, build_backbone
+    from mmformer.models import AttentionConfig, BlockConfig, MlpConfig, MultimodalModel, build_backbone
     from mmformer.models.heads import DiTFinalLayer
     from mmformer.tokenizers.diffusion import DiTTokenizer
 
@@ -647,7 +655,14 @@ def bench_dit(s: Settings) -> list[Result]:
             if n != "pos_embed":
                 w.normal_(0, 0.02)
     tok = DiTTokenizer(d, size, p, c_in, num_classes=classes, class_dropout=0.1)
-    backbone = build_backbone(d, depth, heads, block="adaln", final_norm=False, act="gelu_tanh")
+    backbone = build_backbone(
+        d,
+        depth,
+        AttentionConfig(heads),
+        mlp=MlpConfig(act="gelu_tanh"),
+        block=BlockConfig("adaln"),
+        final_norm=False,
+    )
     ours = MultimodalModel({"x": tok}, backbone, {"eps": DiTFinalLayer(d, p, tok.grid_size, 2 * c_in)})
     missing, unexpected = ours.load_state_dict(dit_to_mmformer(ref.state_dict()), strict=True)
     assert not missing and not unexpected

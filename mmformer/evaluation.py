@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from .build import build_datamodule
 from .build import load_checkpoint as load_training_checkpoint
 from .errors import RecipeError
+from .tasks.diffusion import to_uint8
 
 
 @dataclass
@@ -83,8 +84,6 @@ def evaluate_class_conditional(
     on the requested classes and the Fréchet distance between the samples' and the ``real`` images'
     (uint8 ``(N, C, H, W)``) classifier features (the real features are computed once)."""
     from torchmetrics.image.fid import FrechetInceptionDistance
-
-    from .tasks.diffusion import to_uint8
 
     task = diffusion.module.tasks[task_name]
     k = diffusion.model.tokenizers[task.tokenizer].num_classes

@@ -1,4 +1,10 @@
-"""Shared fixtures: a tiny real-format image folder and a tiny recipe, built per test (no prepared data)."""
+"""Shared fixtures: a tiny real-format image folder and a tiny recipe, built per test (no prepared data);
+the tiny Llama and ViT shapes the model tests share, and a timm ViT checkpoint directory.
+
+Tiers: ``@pytest.mark.slow`` marks tests that load real pretrained weights (SmolLM2, MiniLM, Whisper),
+train the bundled recipes, launch several processes (DDP / FSDP2 through the CLI, ``mp.spawn``),
+``torch.compile`` or otherwise take many seconds; ``make test`` runs the rest (``-m "not slow"``),
+``make test-all`` everything."""
 
 from __future__ import annotations
 
@@ -26,6 +32,37 @@ def make_image_folder(root: Path, n_per_class: int = 8, classes=("bright", "dark
                 px = np.clip(base + rng.normal(0, 25, (size, size)), 0, 255).astype(np.uint8)
                 Image.fromarray(px, mode="L").save(d / f"{i:03d}.png")
     return root
+
+
+# A tiny Llama (GQA, tied embeddings) in ``build_llama`` / ``transformers.LlamaConfig`` keys: 2 layers,
+# d_model 32, 4 query and 2 key-value heads; tests change single keys with ``{**TINY_LLAMA, ...}``.
+TINY_LLAMA = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10_000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+# A tiny ViT in timm's ``VisionTransformer`` arguments: 32×32 images, 8×8 patches (a 4×4 grid), width
+# 48, 2 blocks of 3 heads.
+TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3)
+
+
+def save_timm_dir(ref, out: Path, model_args: dict) -> Path:
+    """``out/`` as timm's own HF exporter writes a checkpoint directory: ``model.safetensors`` and
+    ``config.json`` (``model_args``: the arguments ``ref`` was created with)."""
+    from safetensors.torch import save_file
+    from timm.models._hub import save_config_for_hf
+
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(out / "model.safetensors"))
+    save_config_for_hf(ref, str(out / "config.json"), model_args=model_args)
+    return out
 
 
 TINY_RECIPE = """\
@@ -66,3 +103,15 @@ def tiny_recipe(workdir) -> Path:
     path = workdir / "tiny.yaml"
     path.write_text(TINY_RECIPE.format(name="tiny", root=folder))
     return path
+
+
+@pytest.fixture
+def timm_source(workdir) -> Path:
+    """A timm ``vit_tiny_patch16_224`` of ``TINY_VIT``'s sizes with 5 classes (seed 0, timm's own
+    initialisation), as a checkpoint directory ``workdir/timm_vit``."""
+    timm = pytest.importorskip("timm")
+    import torch
+
+    torch.manual_seed(0)
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, **TINY_VIT).eval()
+    return save_timm_dir(ref, workdir / "timm_vit", TINY_VIT)

@@ -27,6 +27,7 @@ def _final(stdout: str) -> dict[str, float]:
     return {ln.split()[0]: float(ln.split()[1]) for ln in stdout.splitlines() if ln.startswith("val/")}
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_cpu(tiny_recipe, workdir):
     # An odd number of validation images: padded sharding would count one twice.
     (workdir / "images" / "val" / "dark" / "000.png").unlink()

@@ -17,7 +17,9 @@ CLIP = RECIPES / "multimodal" / "clip_emoji.yaml"
 CAPTION = RECIPES / "multimodal" / "vit_prefixlm_caption_emoji.yaml"
 ENCDEC = RECIPES / "multimodal" / "encdec_asr_asterisk.yaml"
 VIT = RECIPES / "image" / "vit_tiny_classify_mnist5k.yaml"
-VIT_DATA = "data: {kind: image_folder, root: mnist5k, batch_size: 128, num_workers: 0, cache: true, crop_padding: 2}"
+VIT_DATA = (
+    "data: {kind: image_folder, root: mnist5k, batch_size: 128, num_workers: 0, cache: true, crop_padding: 2}"
+)
 
 # Each case: a recipe and one change — a ``key=value`` override, or ``OLD -> NEW`` in the recipe's text
 # (to swap a whole part: overrides merge into the node they name).
@@ -26,17 +28,37 @@ REJECTED = [
     (DIT, "model.backbone.d_cond=64", "the DiT tokenizer's conditioning has d_model width"),
     (DIT, "tasks.digits.num_timesteps=500", "apply to objective: gaussian, not flow"),
     (DIT, "model.tokenizers.image.class_dropout=0", "classifier-free guidance (sample_cfg_scale != 1)"),
-    (DIT, "model.heads.velocity={kind: classifier, num_classes: 10}", "needs a tokenizer and a head of kind dit"),
+    (
+        DIT,
+        "model.heads.velocity={kind: classifier, num_classes: 10}",
+        "needs a tokenizer and a head of kind dit",
+    ),
     (MLM, "model.backbone.causal=true", "a masked_lm task needs a bidirectional backbone"),
     (CLIP, "model.heads.caption_embed.embed_dim=128", "must share one embed_dim"),
-    (CLIP, "tasks.emoji.data.max_len=32", "data.max_len=32 exceeds the caption tokenizer's learned positions"),
+    (
+        CLIP,
+        "tasks.emoji.data.max_len=32",
+        "data.max_len=32 exceeds the caption tokenizer's learned positions",
+    ),
     (CAPTION, "model.backbone.causal=false", "a prefix_lm task generates text"),
-    (CAPTION, "image: {kind: vit_patch, image_size: 32, patch_size: 4, in_chans: 3, class_token: false}"
-     " -> image: {kind: bpe}", "cannot be a prefix: a prefix_lm task reads images or audio"),
+    (
+        CAPTION,
+        "image: {kind: vit_patch, image_size: 32, patch_size: 4, in_chans: 3, class_token: false}"
+        " -> image: {kind: bpe}",
+        "cannot be a prefix: a prefix_lm task reads images or audio",
+    ),
     (ENCDEC, "model.backbone.block=pre", "set model.backbone.block: cross and causal: true"),
     (ENCDEC, "model.towers.audio.d_model=128", "set model.backbone.d_context: 128"),
-    (VIT, f"{VIT_DATA} -> data: {{kind: shards, root: mnist5k, pack: true}}", "'tasks.mnist.data.pack' packs text"),
-    (VIT, "{kind: classifier, num_classes: 10, pool: mean, fc_norm: true} -> {kind: lm}", "an 'lm' head needs a task"),
+    (
+        VIT,
+        f"{VIT_DATA} -> data: {{kind: shards, root: mnist5k, pack: true}}",
+        "'tasks.mnist.data.pack' packs text",
+    ),
+    (
+        VIT,
+        "{kind: classifier, num_classes: 10, pool: mean, fc_norm: true} -> {kind: lm}",
+        "an 'lm' head needs a task",
+    ),
     (VIT, "model.lora={rank: 4}", "'model.lora' adapts pretrained weights"),
     (VIT, "optim.freeze_pretrained_epochs=1", "this model has none"),
     (VIT, f"{VIT_DATA} -> data: {{kind: audio_caption, root: x}}", "read by a task with a caption_tokenizer"),

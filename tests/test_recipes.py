@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from mmformer.cli import main
-from mmformer.recipe import load_recipe
 from mmformer.data.prepare import BUNDLED
+from mmformer.recipe import load_recipe
 
 ROOT = Path(__file__).parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
@@ -24,7 +24,7 @@ PRODUCED = {"pretrained/vit_tiny_mnist5k": "recipes/image/vit_tiny_classify_mnis
 
 def _produce_sources(recipe, where: Path) -> None:
     from mmformer.build import build_model
-    from mmformer.models.pretrained.timm_vit import save_timm_vit, vit_config
+    from mmformer.models.pretrained.timm_export import save_timm_vit, vit_config
 
     parts = [*recipe.model.tokenizers.values(), recipe.model.backbone, *recipe.model.heads.values()]
     for source in {c.source for c in parts if c.kind == "pretrained"} & set(PRODUCED):
@@ -49,6 +49,7 @@ def shared_data(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("recipe-data")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_trains_a_few_steps(path, workdir, shared_data, capsys, monkeypatch):
     monkeypatch.chdir(workdir)  # relative pretrained sources resolve here

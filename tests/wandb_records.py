@@ -6,15 +6,35 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK, HEADER = 32 * 1024, 7
 
 
-def read_records(path: Path) -> list:
+def read_records(path: Path, settle: float = 30.0) -> list:
+    """Every record of the file, once it is whole: W&B's writer process may still be appending after
+    ``finish()`` returns, so the file is read again until it parses and ends with the run's ``exit``
+    record, or (a killed run has none) parses and stays unchanged for 2 s; ``settle``: the longest wait
+    in seconds."""
+    deadline, data, since = time.monotonic() + settle, None, time.monotonic()
+    while True:
+        now, new = time.monotonic(), Path(path).read_bytes()
+        if new != data:
+            data, since = new, now
+        try:
+            records = _parse(data)
+        except Exception:  # a record cut off mid-write
+            records = None
+        ended = bool(records) and records[-1].WhichOneof("record_type") == "exit"
+        if ended or (records is not None and now - since >= 2.0) or now > deadline:
+            return records if records is not None else _parse(data)
+        time.sleep(0.2)
+
+
+def _parse(data: bytes) -> list:
     from wandb.proto import wandb_internal_pb2
 
-    data = Path(path).read_bytes()
     pos, pending, records = HEADER, b"", []
     while pos + HEADER <= len(data):
         left = BLOCK - pos % BLOCK

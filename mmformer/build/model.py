@@ -66,14 +66,19 @@ def build_module(
     model = model or build_model(recipe, ctx)
     tasks = {n: lookup("task", t.kind).builder(t, ctx) for n, t in recipe.tasks.items()}
     weights = {n: t.weight for n, t in recipe.tasks.items()}
-    module = MultiTaskModule(model, tasks, weights, recipe.optim, recipe_to_yaml(recipe), recipe.seed)
-    module.pretrained_configs = dict(getattr(model, "pretrained_configs", {}))
-    module.task_modalities = {
-        n: ctx.tokenizer_modality(recipe.model.tokenizers[t.tokenizer]) for n, t in recipe.tasks.items()
-    }
-    module.tokenizer_files = {
-        n: ctx.text_tokenizer(n).to_json()
-        for n, c in recipe.model.tokenizers.items()
-        if ctx.tokenizer_modality(c) == "text"
-    }
-    return module
+    modality = ctx.tokenizer_modality
+    return MultiTaskModule(
+        model,
+        tasks,
+        weights,
+        recipe.optim,
+        recipe_to_yaml(recipe),
+        recipe.seed,
+        task_modalities={n: modality(recipe.model.tokenizers[t.tokenizer]) for n, t in recipe.tasks.items()},
+        tokenizer_files={
+            n: ctx.text_tokenizer(n).to_json()
+            for n, c in recipe.model.tokenizers.items()
+            if modality(c) == "text"
+        },
+        pretrained_configs=dict(getattr(model, "pretrained_configs", {})),
+    )

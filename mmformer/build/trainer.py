@@ -12,15 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from ..errors import RecipeError, did_you_mean
 from ..recipe import recipe_to_dict, recipe_to_yaml
 from ..tasks import MultiTaskModule
-from ..training.callbacks import (
-    AudioSamples,
-    BadSampleReport,
-    DecodedSamples,
-    DiffusionSamples,
-    EMAWeights,
-    TextSamples,
-    ThroughputLogger,
-)
+from ..training.callbacks import BadSampleReport, EMAWeights, MediaSamples, ThroughputLogger
 from ..training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
 from ..training.freeze import FreezePretrained
 from ..training.fsdp2 import FSDP2Strategy
@@ -157,10 +149,7 @@ def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=())
             stop,
             ThroughputLogger(),
             BadSampleReport(),
-            TextSamples(),
-            AudioSamples(),
-            DecodedSamples(),
-            DiffusionSamples(),
+            MediaSamples(),
             *ema,
             *freeze,
             *progress,

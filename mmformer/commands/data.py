@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ..data.caption_shards import CAPTION_MODALITIES, shard_captions
+from ..data.packed_shards import shard_text
 from ..data.prepare import BUNDLED, prepare
 from ..data.roots import data_root, resolve_root
-from ..data.shards import shard_folder, shard_text
+from ..data.shards import shard_folder
 from ..errors import UsageError
 from ..tokenizers.text import TextTokenizer
 

@@ -9,7 +9,7 @@ from ..build import load_checkpoint
 from ..errors import RecipeError, UsageError
 from ..evaluation import load_checkpoint as load_task_checkpoint
 from ..models.pretrained import llama_config, save_hf_llama
-from ..models.pretrained.timm_vit import save_timm_vit, vit_config
+from ..models.pretrained.timm_export import save_timm_vit, vit_config
 from ..nn.lora import merge_lora
 from ..training.sharded import export_safetensors
 from .generate import _generation_model

@@ -3,14 +3,23 @@ and ``pretrained`` (the backbone of real pretrained weights, ``mmformer.models.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import MISSING
 
 from ..errors import RecipeError, did_you_mean, positive, probability
 from ..models import Backbone, build_backbone
-from ..models.backbone import BLOCKS, POSITIONS
+from ..models.backbone_config import (
+    BLOCKS,
+    POSITIONS,
+    AttentionConfig,
+    BigBirdConfig,
+    BlockConfig,
+    LongContextConfig,
+    MlpConfig,
+    PositionConfig,
+)
 from ..models.presets import preset
 from ..nn.attention import KERNELS, SDPA_BACKENDS
 from ..nn.mlp import ACTIVATIONS
@@ -126,11 +135,53 @@ class PretrainedBackboneConfig:
 
 @register("backbone", "transformer", BackboneConfig)
 def build_transformer(cfg: BackboneConfig, ctx: BuildContext) -> Backbone:
-    kwargs = {
-        f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("kind", "preset", "bidirectional")
-    }
-    kwargs["bidirectional_modalities"] = tuple(MODALITY_IDS[m] for m in cfg.bidirectional)
-    return build_backbone(**kwargs)
+    """The flat recipe keys mapped onto ``build_backbone``'s nested configs (``drop`` is the dropout of
+    both the attention output and the MLP, as it always was)."""
+    attention = AttentionConfig(
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        qkv_bias=cfg.qkv_bias,
+        proj_bias=cfg.proj_bias,
+        qk_norm=cfg.qk_norm,
+        attn_drop=cfg.attn_drop,
+        proj_drop=cfg.drop,
+        kernel=cfg.attn_kernel,
+        sdpa_backend=cfg.sdpa_backend,
+        performer_features=cfg.performer_features,
+    )
+    mlp = MlpConfig(ratio=cfg.mlp_ratio, hidden=cfg.mlp_hidden, act=cfg.act, bias=cfg.mlp_bias, drop=cfg.drop)
+    positions = PositionConfig(
+        kind=cfg.positions,
+        rope_base=cfg.rope_base,
+        rope_axes=cfg.rope_axes,
+        rel_buckets=cfg.rel_buckets,
+        rel_max_distance=cfg.rel_max_distance,
+    )
+    bigbird = None
+    if cfg.bigbird_block:
+        bigbird = BigBirdConfig(cfg.bigbird_block, cfg.bigbird_window, cfg.bigbird_global, cfg.bigbird_random)
+    block = BlockConfig(
+        kind=cfg.block,
+        drop_path=cfg.drop_path,
+        layer_scale=cfg.layer_scale,
+        d_cond=cfg.d_cond,
+        d_context=cfg.d_context,
+        conv_kernel=cfg.conv_kernel,
+    )
+    return build_backbone(
+        cfg.d_model,
+        cfg.n_layers,
+        attention,
+        mlp=mlp,
+        positions=positions,
+        long_context=LongContextConfig(window=cfg.window, bigbird=bigbird),
+        block=block,
+        norm=cfg.norm,
+        norm_eps=cfg.norm_eps,
+        final_norm=cfg.final_norm,
+        causal=cfg.causal,
+        bidirectional_modalities=tuple(MODALITY_IDS[m] for m in cfg.bidirectional),
+    )
 
 
 def freeze(module, frozen: bool = True) -> None:

@@ -17,8 +17,9 @@ import torch
 from torch.utils.data import Dataset
 
 from ..tokenizers.audio import AudioDecodeError, AudioPreprocess
+from .datamodule import TaskData
 from .jsonl import read_jsonl
-from .roots import DataError
+from .roots import DataError, resolve_root
 
 log = logging.getLogger("mmformer.data")
 
@@ -129,8 +130,6 @@ def audio_classification_data(
     """``TaskData`` for ``AudioFolderDataConfig`` / ``AudioManifestDataConfig``; ``preprocess`` is the
     (train, val) data side of the task's tokenizer. Raises ``DataError`` when the classes do not match
     the head."""
-    from .datamodule import TaskData
-    from .roots import resolve_root
 
     root = resolve_root(cfg.root)
     if cfg.kind == "audio_folder":

@@ -16,7 +16,9 @@ import torch
 
 from .audio import AudioClips, collate_audio, manifest_rows
 from .collate import caption_ids, pad_ids
+from .datamodule import TaskData
 from .image_caption import encode_captions
+from .roots import resolve_root
 
 
 class AudioCaptions(AudioClips):
@@ -49,8 +51,6 @@ def collate_audio_captions(samples: list[dict], pad_id: int) -> dict:
 def audio_caption_data(cfg, preprocess, tokenizer):
     """``TaskData`` for an ``AudioCaptionDataConfig``; ``preprocess`` is the (train, val) data side of the
     audio tokenizer, ``tokenizer`` (a ``TextTokenizer``) encodes the transcripts."""
-    from .datamodule import TaskData
-    from .roots import resolve_root
 
     root = resolve_root(cfg.root)
 

@@ -97,12 +97,20 @@ class MultiTaskDataModule(L.LightningDataModule):
     The training steps come in windows of the trainer's ``accumulate_grad_batches``; the number of loss
     units (tokens, samples) of a task's batch is the LightningModule's ``loss_units(task, batch)`` (1 per
     batch without one: micro-batches weighted equally).
+
+    Checkpoints carry the training loader's position (``state_dict``: the epoch and the steps of it
+    trained), and a resumed run's loader starts there (``load_state_dict``), reading only the samples
+    that epoch had not reached — Lightning's public datamodule state, which it restores whenever the
+    loader is built (ours is built before the checkpoint's loop state is restored, to count the steps
+    of the LR schedule).
     """
 
     def __init__(self, factories: dict[str, Callable[[], TaskData]], seed: int = 0, multitask=None):
         super().__init__()
         self.factories, self.seed, self.multitask = factories, seed, multitask
         self.data: dict[str, TaskData] = {}
+        self._train: AccumulationWindows | None = None  # the training loader last built
+        self._train_state: dict | None = None  # a checkpoint's loader position, until a loader takes it
 
     def setup(self, stage: str | None = None) -> None:
         if not self.data:
@@ -203,7 +211,27 @@ class MultiTaskDataModule(L.LightningDataModule):
                 return 0, 0
             return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
-        return AccumulationWindows(steps, accumulate, units, limit, progress)
+        self._train = AccumulationWindows(steps, accumulate, units, limit, progress)
+        if self._train_state is not None:
+            self._train.load_state_dict(self._train_state)
+            self._train_state = None
+        return self._train
+
+    def state_dict(self) -> dict:
+        """``{"train": {"epoch", "steps"}}``: the training loader's position (empty before it is built)."""
+        return {"train": self._train.state_dict()} if self._train is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Start the training loader where the checkpoint's was (the one already built, or the next)."""
+        if "train" not in state:
+            return
+        if self._train is not None:
+            self._train.load_state_dict(state["train"])
+        else:
+            self._train_state = dict(state["train"])
+
+    def teardown(self, stage: str) -> None:
+        self._train_state = None  # a checkpoint validated (``trainer.validate``) is no position to train from
 
     def _train_steps(
         self, loaders: dict[str, DataLoader], epoch: Callable[[], int]

@@ -7,7 +7,7 @@ from ..tokenizers.image import ImagePreprocess
 from .collate import collate_classification
 from .datamodule import TaskData
 from .image_folder import ImageFolder, TorchvisionClassification, find_classes
-from .roots import DataError, resolve_root
+from .roots import DataError, DataNotFoundError, data_root, resolve_root
 
 
 def _augment(cfg, image_size: int) -> list:
@@ -64,8 +64,6 @@ def cifar10_data(cfg, tok, num_classes: int | None = None) -> TaskData:
     from pathlib import Path
 
     from torchvision.datasets import CIFAR10
-
-    from .roots import DataNotFoundError, data_root
 
     root = (
         Path(cfg.root) if Path(cfg.root).is_absolute() or Path(cfg.root).exists() else data_root() / cfg.root

@@ -19,9 +19,11 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ..tokenizers.image import ImagePreprocess
 from .collate import caption_ids, pad_ids
+from .datamodule import TaskData
 from .jsonl import read_jsonl
-from .roots import DataError
+from .roots import DataError, resolve_root
 
 
 def read_captions(path: Path) -> list[tuple[str, str]]:
@@ -127,9 +129,6 @@ def encode_captions(tokenizer, captions: list[str], max_len: int) -> list[list[i
 def image_caption_data(cfg, tok_cfg, tokenizer):
     """``TaskData`` for an ``ImageCaptionDataConfig``; ``tok_cfg`` gives the image size and channels,
     ``tokenizer`` (a ``TextTokenizer``) encodes the captions."""
-    from ..tokenizers.image import ImagePreprocess
-    from .datamodule import TaskData
-    from .roots import resolve_root
 
     root = resolve_root(cfg.root)
     preprocess = ImagePreprocess(tok_cfg.image_size, tok_cfg.in_chans)

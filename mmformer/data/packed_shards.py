@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from .roots import DataError
-from .shards import ShardStream, _buffer_shuffled, _samples
+from .shards import FORMAT, INDEX, ShardStream, buffer_shuffled, read_samples, write_shards
+from .text import corpus_split
 
 log = logging.getLogger("mmformer.data")
 
@@ -59,7 +60,7 @@ def document_encoder(tokenizer) -> Callable[[dict], list[int]]:
 def count_tokens(root: Path, shards: list[list], tokenizer) -> list[int]:
     """Tokens (``eos`` included) of each shard's documents."""
     encode = document_encoder(tokenizer)
-    return [sum(len(encode(raw)) for raw in _samples(Path(root) / name)) for name, _ in shards]
+    return [sum(len(encode(raw)) for raw in read_samples(Path(root) / name)) for name, _ in shards]
 
 
 def token_counts(root: Path, info: dict, split: str, tokenizer) -> list[int]:
@@ -182,7 +183,7 @@ class PackedShardStream(ShardStream):
         delivered, documents, bad = 0, 0, []
         while delivered < quota:  # one pass suffices unless documents turned out unreadable
             before = documents
-            for pick in _buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
+            for pick in buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
                 toks = self._decoded(pick)
                 if toks is None:
                     bad.append(f"{pick.get('__url__')}:{pick.get('__key__')}")
@@ -238,3 +239,24 @@ def collate_text(samples: list[dict]) -> dict:
     bad = [p for s in samples for p in s.get("bad_samples", [])]
     batch = default_collate([{k: v for k, v in s.items() if k != "bad_samples"} for s in samples])
     return {**batch, "bad_samples": bad}
+
+
+def shard_text(
+    src: Path, out: Path, val_fraction: float, seed: int, samples_per_shard: int = 1000, tokenizer=None
+) -> dict:
+    """Shard a text corpus (blank-line separated documents), one document per sample, split into train
+    / val by document exactly as ``data.kind: text`` splits it (``val_fraction``, ``seed``). With a
+    ``tokenizer`` (a ``TextTokenizer``) the index also holds each shard's token count under ``tokens``,
+    which sizes packed epochs (``data.pack: true``) without a counting pass at training time."""
+    docs, train, val = corpus_split(Path(src), val_fraction, seed)
+    info = {"format": FORMAT, "modality": "text", "classes": [], "splits": {}}
+    for split, ids in (("train", train), ("val", val)):
+        samples = ({"txt": docs[int(i)]} for i in ids)
+        info["splits"][split] = write_shards(samples, out, split, samples_per_shard)
+    if tokenizer is not None:
+        info["tokens"] = {
+            "tokenizer": tokenizer_digest(tokenizer),
+            "splits": {split: count_tokens(out, sh, tokenizer) for split, sh in info["splits"].items()},
+        }
+    (out / INDEX).write_text(json.dumps(info, indent=1))
+    return info

@@ -8,7 +8,6 @@ copy wins and the others discard theirs.
 
 from __future__ import annotations
 
-import difflib
 import gzip
 import importlib.util
 import logging
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import did_you_mean
 from .emoji import EMOJI_FONT, EMOJI_INSTALL, EMOJI_TEST, build_emoji
 from .roots import DataError, data_root
 from .speech import (
@@ -337,8 +337,7 @@ def prepare(name: str, force: bool = False) -> Path:
             install command).
     """
     if name not in BUNDLED:
-        close = difflib.get_close_matches(name, BUNDLED, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(name, BUNDLED)
         raise DataError(f"unknown bundled dataset {name!r}.{hint} Known: {', '.join(BUNDLED)}")
     entry = BUNDLED[name]
     out = data_root() / name

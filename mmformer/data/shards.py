@@ -38,7 +38,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .roots import DataError
+from .audio import folder_samples
+from .datamodule import TaskData
+from .image_folder import IMAGE_EXTENSIONS, find_classes
+from .roots import DataError, resolve_root
 from .seeding import sample_seed, seeded
 
 log = logging.getLogger("mmformer.data")
@@ -80,8 +83,6 @@ def _file_samples(items: list[tuple[str, int]]) -> Iterator[dict]:
 def shard_folder(src: Path, out: Path, modality: str, samples_per_shard: int = 1000) -> dict:
     """Shard an image or audio class folder (``src/<split>/<class>/<file>``; every split found: ``train``,
     ``val``, …). Returns the index written to ``out/index.json``."""
-    from .audio import folder_samples
-    from .image_folder import IMAGE_EXTENSIONS, find_classes
 
     splits = sorted(p.name for p in Path(src).iterdir() if p.is_dir() and not p.name.startswith("."))
     if "train" not in splits:
@@ -111,31 +112,6 @@ def shard_folder(src: Path, out: Path, modality: str, samples_per_shard: int = 1
     return info
 
 
-def shard_text(
-    src: Path, out: Path, val_fraction: float, seed: int, samples_per_shard: int = 1000, tokenizer=None
-) -> dict:
-    """Shard a text corpus (blank-line separated documents), one document per sample, split into train
-    / val by document exactly as ``data.kind: text`` splits it (``val_fraction``, ``seed``). With a
-    ``tokenizer`` (a ``TextTokenizer``) the index also holds each shard's token count under ``tokens``,
-    which sizes packed epochs (``data.pack: true``) without a counting pass at training time."""
-    from .text import corpus_split
-
-    docs, train, val = corpus_split(Path(src), val_fraction, seed)
-    info = {"format": FORMAT, "modality": "text", "classes": [], "splits": {}}
-    for split, ids in (("train", train), ("val", val)):
-        samples = ({"txt": docs[int(i)]} for i in ids)
-        info["splits"][split] = write_shards(samples, out, split, samples_per_shard)
-    if tokenizer is not None:
-        from .packed_shards import count_tokens, tokenizer_digest
-
-        info["tokens"] = {
-            "tokenizer": tokenizer_digest(tokenizer),
-            "splits": {split: count_tokens(out, sh, tokenizer) for split, sh in info["splits"].items()},
-        }
-    (out / INDEX).write_text(json.dumps(info, indent=1))
-    return info
-
-
 def read_index(root: Path) -> dict:
     """``root/index.json``; raises ``DataError`` when it is missing or not an mmformer shard index."""
     path = Path(root) / INDEX
@@ -148,7 +124,7 @@ def read_index(root: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- reading
-def _samples(path: Path) -> Iterator[dict]:
+def read_samples(path: Path) -> Iterator[dict]:
     """The samples of one tar shard as ``{"__key__": …, ext: bytes}`` (webdataset's tar iterators)."""
     from webdataset.tariterators import group_by_keys, tar_file_iterator
 
@@ -224,12 +200,12 @@ class ShardStream(IterableDataset):
 
     def __getitem__(self, i: int) -> dict:
         """Sample ``i`` of the split in file order (the same on every rank), decoded: for the few items
-        media callbacks show (``TextSamples``' prompts). Reads its shard from the start. Raises
+        media callback shows (a causal LM's text-sample prompts). Reads its shard from the start. Raises
         ``IndexError`` past the end."""
         start = 0
         for name, n in self.shards:
             if 0 <= i - start < n:
-                raw = next(itertools.islice(_samples(self.root / name), i - start, None))
+                raw = next(itertools.islice(read_samples(self.root / name), i - start, None))
                 return {"bad_samples": [], **self.decode(raw)}
             start += n
         raise IndexError(f"sample {i} of a split of {start}")
@@ -279,7 +255,7 @@ class ShardStream(IterableDataset):
         mine, quota, own_skip, rng = self._deal(workers, worker, skip)
         delivered, bad = 0, []
         while True:  # passes over this worker's shards; a worker that runs short starts another
-            for pick in _buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
+            for pick in buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
                 if delivered >= quota:
                     return
                 if delivered < own_skip:  # a resumed epoch: what was already trained, not decoded
@@ -299,13 +275,13 @@ class ShardStream(IterableDataset):
 
     def _pass(self, shards: list[int]) -> Iterator[dict]:
         for s in shards:
-            yield from _samples(self.root / self.shards[s][0])
+            yield from read_samples(self.root / self.shards[s][0])
 
     def _eval(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
         start = 0
         for s, (name, n) in enumerate(self.shards):
             if s % workers == worker:
-                for j, raw in enumerate(_samples(self.root / name)):
+                for j, raw in enumerate(read_samples(self.root / name)):
                     if (start + j) % self.world == self.rank:
                         item = self._decoded(raw)
                         if item is not None:
@@ -314,7 +290,7 @@ class ShardStream(IterableDataset):
             start += n
 
 
-def _buffer_shuffled(samples: Iterator[dict], size: int, rng: random.Random) -> Iterator[dict]:
+def buffer_shuffled(samples: Iterator[dict], size: int, rng: random.Random) -> Iterator[dict]:
     """WebDataset's shuffle: hold ``size`` samples, emit a random one as each new one arrives, then drain
     the rest in random order when the stream ends."""
     buffer: list[dict] = []
@@ -392,8 +368,6 @@ def shards_data(
     val decode, collate)``; ``packed(root, info, split, batch_size=, seed=, shuffle_buffer=)``, when
     given, builds the training stream instead (packed text windows, ``packed_shards``). Raises
     ``DataError`` for a modality this task cannot read or a class count that differs from the head's."""
-    from .datamodule import TaskData
-    from .roots import resolve_root
 
     root = resolve_root(cfg.root)
     info = read_index(root)

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .roots import DataError
+from .datamodule import TaskData
+from .leaks import text_source
+from .roots import DataError, resolve_root
 
 
 def read_documents(path: Path) -> list[str]:
@@ -170,10 +172,6 @@ def text_data(cfg, tokenizer, seed: int):
     """``TaskData`` for a ``TextDataConfig``: tokenize once (cached under ``<root>/.cache``), split by
     document, pack or pad. Raises ``DataNotFoundError`` / ``DataError`` for a missing or empty corpus."""
     from torch.utils.data import default_collate
-
-    from .datamodule import TaskData
-    from .leaks import text_source
-    from .roots import resolve_root
 
     root = resolve_root(cfg.root)
     docs, train, val = corpus_split(root, cfg.val_fraction, seed)

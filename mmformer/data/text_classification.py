@@ -15,8 +15,10 @@ import torch
 from torch.utils.data import Dataset
 
 from .collate import pad_ids
+from .datamodule import TaskData
 from .jsonl import read_jsonl
-from .roots import DataError
+from .leaks import text_source
+from .roots import DataError, resolve_root
 
 
 def read_manifest(path: Path) -> list[tuple[str, str]]:
@@ -65,10 +67,6 @@ def text_classification_data(cfg, tokenizer, num_classes: int | None, seed: int)
     or ``DataError`` (missing manifests, malformed lines, labels outside the classes, a head of the
     wrong size)."""
     import functools
-
-    from .datamodule import TaskData
-    from .leaks import text_source
-    from .roots import resolve_root
 
     root = resolve_root(cfg.root)
     for split in ("train", "val"):

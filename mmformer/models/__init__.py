@@ -2,6 +2,14 @@
 (timm lazily, inside the adapters that need it)."""
 
 from .backbone import Backbone, build_backbone
+from .backbone_config import (
+    AttentionConfig,
+    BigBirdConfig,
+    BlockConfig,
+    LongContextConfig,
+    MlpConfig,
+    PositionConfig,
+)
 from .flops import count_flops
 from .heads import ClassifierHead, ProjectionHead
 from .model import MultimodalModel
@@ -10,6 +18,12 @@ from .presets import PRESETS, preset
 __all__ = [
     "Backbone",
     "build_backbone",
+    "AttentionConfig",
+    "BigBirdConfig",
+    "BlockConfig",
+    "LongContextConfig",
+    "MlpConfig",
+    "PositionConfig",
     "ClassifierHead",
     "ProjectionHead",
     "MultimodalModel",

@@ -1,19 +1,25 @@
 """The shared transformer backbone: a stack of blocks, the relative position scheme applied inside
-attention (RoPE / ALiBi), the mask rules, and the final norm.
+attention (RoPE / ALiBi / learned relative biases), the mask rules, and the final norm.
 
 Tokenizers own embeddings (absolute positions included), heads own pooling and output projections
-(DESIGN.md). ``build_backbone`` makes the standard variants from plain keyword arguments:
+(DESIGN.md). ``build_backbone`` makes the standard variants from a few nested configs
+(``mmformer.models.backbone_config``):
 
-  ViT / BERT-style encoder  ``build_backbone(d_model=768, n_layers=12, n_heads=12)``
-  GPT-2                     ``… causal=True, act="gelu_tanh"``
-  Llama / SmolLM            ``… causal=True, norm="rmsnorm", act="swiglu", positions="rope",
-                            n_kv_heads=3, qkv_bias=False, mlp_bias=False``
+  ViT / BERT-style encoder  ``build_backbone(768, 12, AttentionConfig(12))``
+  GPT-2                     ``… causal=True, mlp=MlpConfig(act="gelu_tanh")``
+  Llama / SmolLM            ``… AttentionConfig(9, n_kv_heads=3, qkv_bias=False, proj_bias=False),
+                            MlpConfig(hidden=1536, act="swiglu", bias=False), PositionConfig("rope"),
+                            norm="rmsnorm", causal=True``
                             (``mmformer.models.pretrained`` imports the real weights)
-  BERT (post-norm)          ``… block="post", norm_eps=1e-12``
-  Whisper decoder           ``… causal=True, block="cross"``  (forward with ``context=``)
-  DiT                       ``… block="adaln", d_cond=D``      (forward with ``cond=``)
+  BERT (post-norm)          ``… block=BlockConfig("post"), norm_eps=1e-12``
+  Whisper decoder           ``… block=BlockConfig("cross"), causal=True``  (forward with ``context=``)
+  DiT                       ``… block=BlockConfig("adaln", d_cond=D)``      (forward with ``cond=``)
 
-Shape legend: B batch, N tokens, D model width, P position axes.
+What every layer's attention reads besides its input — the mask, RoPE angles, ALiBi / relative biases,
+the sliding-window and BigBird layouts, and the mask's dense or ``BlockMask`` form — is computed once
+in ``Backbone.forward`` and handed to every block as one read-only ``AttentionInputs``.
+
+Shape legend: B batch, N tokens (Nk: cached + new), M context tokens, D model width, P position axes.
 """
 
 from __future__ import annotations
@@ -25,14 +31,22 @@ from ..nn.attention import Attention, AttentionInputs, KVCache
 from ..nn.blocks import AdaLNBlock, Block, CrossAttentionBlock, PostNormBlock
 from ..nn.conformer import ConformerBlock
 from ..nn.layout import decode_layout, train_layout
-from ..nn.masks import MaskSpec, bigbird_layout
+from ..nn.masks import MaskSpec
 from ..nn.mlp import build_mlp
 from ..nn.norms import build_norm
 from ..nn.positions import RelativePositionBias, RotaryEmbedding, alibi_slopes
 from ..nn.tokens import Tokens
+from .backbone_config import (
+    BLOCKS,
+    POSITIONS,
+    AttentionConfig,
+    BlockConfig,
+    LongContextConfig,
+    MlpConfig,
+    PositionConfig,
+)
 
-BLOCKS = ("pre", "post", "cross", "adaln", "conformer")
-POSITIONS = ("none", "rope", "alibi", "t5", "toeplitz")
+__all__ = ["BLOCKS", "POSITIONS", "Backbone", "build_backbone", "modality_spans"]
 
 
 def modality_spans(modality: Tensor, bidirectional: tuple[int, ...]) -> Tensor | None:
@@ -51,16 +65,17 @@ class Backbone(nn.Module):
     """Runs Tokens through ``blocks`` and the final ``norm``.
 
     Args:
-        blocks: the block modules (all of one family).
+        blocks: the block modules (all of one family), each with an ``attn``.
         norm: the final norm (``nn.Identity()`` for none).
         causal: every query sees only earlier keys (decoders), except inside bidirectional spans.
-        positions: ``none`` (absolute embeddings from the tokenizers), ``rope``, ``alibi``, or a learned
-            relative bias shared by all layers: ``t5`` (``rel_buckets`` log buckets up to
-            ``rel_max_distance``) or ``toeplitz`` (one value per offset up to ``rel_max_distance``).
-        rope_base: RoPE θ; ``rope_axes``: 1 for sequences, 2 for patch grids (axial 2-D RoPE).
-        window: sliding-window attention size in tokens, or None.
+        positions: the relative position scheme (``PositionConfig``; None: none): ``none`` (absolute
+            embeddings from the tokenizers), ``rope``, ``alibi``, or a learned relative bias shared by
+            all layers (``t5``, ``toeplitz``; its table is the backbone's ``rel_bias``).
+        long_context: a sliding window and / or BigBird block sparsity (``LongContextConfig``; None: none).
         bidirectional_modalities: modality ids whose contiguous runs attend bidirectionally in a
             causal model (``(MODALITY_IDS["image"],)`` makes an image prefix a prefix-LM prefix).
+
+    Raises ``ValueError`` for RoPE over an odd head width.
     """
 
     def __init__(
@@ -68,32 +83,32 @@ class Backbone(nn.Module):
         blocks: list[nn.Module],
         norm: nn.Module,
         causal: bool = False,
-        positions: str = "none",
-        rope_base: float = 10_000.0,
-        rope_axes: int = 1,
-        window: int | None = None,
+        positions: PositionConfig | None = None,
+        long_context: LongContextConfig | None = None,
         bidirectional_modalities: tuple[int, ...] = (),
-        rel_buckets: int = 32,
-        rel_max_distance: int = 128,
-        bigbird: dict | None = None,
     ):
         super().__init__()
-        if positions not in POSITIONS:
-            raise ValueError(f"unknown positions {positions!r}; choose from {POSITIONS}")
+        positions, long_context = positions or PositionConfig(), long_context or LongContextConfig()
         self.blocks = nn.ModuleList(blocks)
         self.norm = norm
         attn = self.blocks[0].attn
         self.d_model, self.n_layers, self.n_heads = attn.proj.out_features, len(blocks), attn.n_heads
-        self.causal, self.positions, self.window = causal, positions, window
+        self.causal, self.positions, self.long_context = causal, positions, long_context
         self.bidirectional_modalities = tuple(bidirectional_modalities)
-        self.rope = RotaryEmbedding(attn.head_dim, rope_base, rope_axes) if positions == "rope" else None
-        # BigBird block-sparse attention: {"block": tokens per block, "pattern": (window, global, random)}
-        self.bigbird = bigbird
+        self.rope = (
+            RotaryEmbedding(attn.head_dim, positions.rope_base, positions.rope_axes)
+            if positions.kind == "rope"
+            else None
+        )
         self.rel_bias = (
             RelativePositionBias(
-                self.n_heads, positions, rel_buckets, rel_max_distance, bidirectional=not causal
+                self.n_heads,
+                positions.kind,
+                positions.rel_buckets,
+                positions.rel_max_distance,
+                bidirectional=not causal,
             )
-            if positions in ("t5", "toeplitz")
+            if positions.kind in ("t5", "toeplitz")
             else None
         )
         # ALiBi slopes are made per forward in float32 (a buffer would be rounded by .to(bfloat16)).
@@ -157,55 +172,15 @@ class Backbone(nn.Module):
             cache: KV cache; the new tokens follow the cached ones (their ``positions`` must continue).
             span: explicit bidirectional span ids ``(B, N)`` (prefix-LM over text); default from
                 ``bidirectional_modalities``.
+
+        Raises ``ValueError`` when a chunk starts inside a bidirectional span the cache already ends with.
         """
         if self._decode_layout and (self.training or torch.is_grad_enabled()):
             self.restore_layout()  # gradients and the optimizer expect row-major weights
-        past = cache.length if cache is not None else 0
-        valid, document, positions = tokens.valid, tokens.document, tokens.positions
         if span is None:
             span = modality_spans(tokens.modality, self.bidirectional_modalities)
-        if past and span is not None and cache.span_open is not None:
-            if bool((cache.span_open & (span[:, 0] > 0)).any()):
-                raise ValueError(
-                    "a bidirectional span (prefix-LM prefix, image or audio) must be prefilled in one "
-                    "chunk: this chunk starts inside a span that the cache already ends with"
-                )
-        if past:
-            valid = torch.cat([cache.valid, valid], dim=1)
-            document = torch.cat([cache.document, document], dim=1)
-            positions = torch.cat([cache.positions, positions], dim=1)
-            if span is not None:  # a span never reaches back into cached tokens
-                span = torch.cat([span.new_zeros(span.shape[0], past), span], dim=1)
-        layout = None
-        if self.bigbird is not None:  # one block pattern over the whole (cached + new) sequence
-            n_blocks = -(-valid.shape[1] // self.bigbird["block"])
-            layout = bigbird_layout(n_blocks, *self.bigbird["pattern"]).to(valid.device)
-        mask = MaskSpec.from_tokens(
-            valid,
-            document,
-            self.causal,
-            span,
-            self.window,
-            past,
-            layout,
-            self.bigbird["block"] if layout is not None else 0,
-        )
-        inputs = AttentionInputs(
-            mask=mask,
-            rope=self.rope(tokens.positions) if self.rope is not None else None,
-            alibi_slopes=alibi_slopes(self.n_heads).to(tokens.x.device)
-            if self.positions == "alibi"
-            else None,
-            q_pos=tokens.positions[..., 0],
-            k_pos=positions[..., 0],
-        )
-        if self.rel_bias is not None:  # one learned bias for every layer, from the positions' offsets
-            inputs.rel_table = self.rel_bias.table
-            inputs.rel_buckets = self.rel_bias.buckets(inputs.q_pos, inputs.k_pos)
-        ctx = None
-        if context is not None:
-            ctx = context.x
-            inputs.context_mask = MaskSpec(valid=None if context.all_valid else context.valid)
+        inputs = self.attention_inputs(tokens, context, cache, span)
+        ctx = context.x if context is not None else None
         x = tokens.x
         for i, block in enumerate(self.blocks):
             x = block(x, inputs, context=ctx, cond=cond, cache=cache, layer=i)
@@ -214,109 +189,138 @@ class Backbone(nn.Module):
             cache.span_open = span[:, -1] > 0 if span is not None else torch.zeros_like(tokens.valid[:, -1])
         return self.norm(x)
 
+    def attention_inputs(
+        self, tokens: Tokens, context: Tokens | None, cache: KVCache | None, span: Tensor | None
+    ) -> AttentionInputs:
+        """What every layer's attention reads in this forward, built once: the mask over the cached and
+        new keys (with the window and BigBird layout), RoPE angles, ALiBi slopes, the relative-bias
+        buckets, the context's mask, and these masks in the forms the layers' kernels take."""
+        past = cache.length if cache is not None else 0
+        valid, document, positions = tokens.valid, tokens.document, tokens.positions
+        if past and span is not None and cache.span_open is not None:
+            if bool((cache.span_open & (span[:, 0] > 0)).any()):
+                raise ValueError(
+                    "a bidirectional span (prefix-LM prefix, image or audio) must be prefilled in one "
+                    "chunk: this chunk starts inside a span that the cache already ends with"
+                )
+        if past:
+            valid = torch.cat([cache.valid, valid], dim=1)  # (B, Nk)
+            document = torch.cat([cache.document, document], dim=1)
+            positions = torch.cat([cache.positions, positions], dim=1)  # (B, Nk, P)
+            if span is not None:  # a span never reaches back into cached tokens
+                span = torch.cat([span.new_zeros(span.shape[0], past), span], dim=1)
+        bigbird = self.long_context.bigbird
+        layout = None  # one block pattern over the whole (cached + new) sequence
+        if bigbird is not None:
+            layout = bigbird.layout(valid.shape[1]).to(valid.device)
+        mask = MaskSpec.from_tokens(
+            valid,
+            document,
+            self.causal,
+            span,
+            self.long_context.window,
+            past,
+            layout,
+            bigbird.block if bigbird is not None else 0,
+        )
+        q_pos, k_pos = tokens.positions[..., 0], positions[..., 0]  # (B, N), (B, Nk)
+        inputs = AttentionInputs(
+            mask=mask,
+            context_mask=MaskSpec(valid=None if context is None or context.all_valid else context.valid),
+            rope=self.rope(tokens.positions) if self.rope is not None else None,
+            alibi_slopes=alibi_slopes(self.n_heads).to(tokens.x.device)
+            if self.positions.kind == "alibi"
+            else None,
+            # one learned bias for every layer, from the positions' offsets
+            rel_table=self.rel_bias.table if self.rel_bias is not None else None,
+            rel_buckets=self.rel_bias.buckets(q_pos, k_pos) if self.rel_bias is not None else None,
+            q_pos=q_pos,
+            k_pos=k_pos,
+        )
+        x = tokens.x
+        kernels = {block.attn.resolve_kernel(x, inputs) for block in self.blocks}
+        cross = [block.cross_attn for block in self.blocks if hasattr(block, "cross_attn")]
+        context_kernels = set()
+        if context is not None:
+            context_kernels = {attn.resolve_kernel(x, inputs.for_context()) for attn in cross}
+        n = x.shape[1]
+        n_context = context.x.shape[1] if context is not None else 0
+        return inputs.prepared(kernels, n, past + n, x.shape[0], x.device, context_kernels, n_context)
+
 
 def build_backbone(
     d_model: int,
     n_layers: int,
-    n_heads: int,
+    attention: AttentionConfig,
     *,
-    n_kv_heads: int | None = None,
-    mlp_ratio: float = 4.0,
-    block: str = "pre",
+    mlp: MlpConfig | None = None,
+    positions: PositionConfig | None = None,
+    long_context: LongContextConfig | None = None,
+    block: BlockConfig | None = None,
     norm: str = "layernorm",
     norm_eps: float = 1e-6,
-    act: str = "gelu",
-    qkv_bias: bool = True,
-    proj_bias: bool = True,
-    mlp_bias: bool = True,
-    qk_norm: bool = False,
-    drop: float = 0.0,
-    attn_drop: float = 0.0,
-    drop_path: float = 0.0,
-    layer_scale: float | None = None,
-    causal: bool = False,
-    positions: str = "none",
-    rope_base: float = 10_000.0,
-    rope_axes: int = 1,
-    window: int | None = None,
-    bidirectional_modalities: tuple[int, ...] = (),
-    d_cond: int | None = None,
-    d_context: int | None = None,
     final_norm: bool = True,
-    attn_kernel: str = "auto",
-    sdpa_backend: str = "auto",
-    mlp_hidden: int | None = None,
-    conv_kernel: int = 31,
-    rel_buckets: int = 32,
-    rel_max_distance: int = 128,
-    performer_features: int = 256,
-    bigbird_block: int | None = None,
-    bigbird_window: int = 1,
-    bigbird_global: int = 1,
-    bigbird_random: int = 1,
+    causal: bool = False,
+    bidirectional_modalities: tuple[int, ...] = (),
 ) -> Backbone:
-    """A ``Backbone`` of ``n_layers`` blocks of family ``block`` (``pre``, ``post``, ``cross``, ``adaln``,
-    ``conformer``: ``mlp_ratio`` sizes its feed-forwards, ``conv_kernel`` its depthwise convolution).
+    """A ``Backbone`` of ``n_layers`` blocks of width ``d_model`` and family ``block.kind``, initialised
+    (``Backbone.init_weights``).
 
-    Stochastic depth rises linearly over depth to ``drop_path`` (DeiT). ``mlp_hidden`` overrides
-    ``mlp_ratio · d_model`` (Llama-style sizes); ``proj_bias`` is the attention output bias. Raises
-    ``ValueError`` on an unknown family, norm, activation or position scheme, or on indivisible head counts.
+    Args:
+        attention: every layer's attention (a ``cross`` block's cross-attention too); its kernel options
+            (``sdpa_backend``, ``performer_features``) go to each ``Attention``'s constructor.
+        mlp: the feed-forwards (a ``conformer`` block's use ``mlp.hidden_dim`` and ``mlp.drop`` only).
+        positions, long_context: see ``Backbone``.
+        block: the family and its own settings; stochastic depth rises linearly over depth to
+            ``block.drop_path`` (DeiT).
+        norm: ``layernorm`` or ``rmsnorm`` (``adaln`` and ``conformer`` blocks use LayerNorm inside),
+            ``norm_eps`` its epsilon; ``final_norm``: a norm after the last block (never after ``post``).
+        causal, bidirectional_modalities: see ``Backbone``.
+
+    A config left None takes its defaults: ``MlpConfig()``, ``PositionConfig()`` (no relative
+    positions), ``LongContextConfig()`` (dense attention), ``BlockConfig()`` (pre-norm).
+    Raises ``ValueError`` on an unknown norm, on indivisible head counts, or on RoPE with an odd head width.
     """
-    if block not in BLOCKS:
-        raise ValueError(f"unknown block {block!r}; choose from {BLOCKS}")
-    hidden = mlp_hidden or int(d_model * mlp_ratio)
+    mlp, block = mlp or MlpConfig(), block or BlockConfig()
+    hidden = mlp.hidden_dim(d_model)
 
-    def attention(cross: bool = False) -> Attention:
-        attn = Attention(
+    def attend(cross: bool = False) -> Attention:
+        a = attention
+        return Attention(
             d_model,
-            n_heads,
-            n_kv_heads,
-            qkv_bias,
-            attn_drop,
-            drop,
-            attn_kernel,
-            qk_norm,
+            a.n_heads,
+            n_kv_heads=a.n_kv_heads,
+            qkv_bias=a.qkv_bias,
+            attn_drop=a.attn_drop,
+            proj_drop=a.proj_drop,
+            kernel=a.kernel,
+            qk_norm=a.qk_norm,
             cross=cross,
-            d_context=d_context,
-            sdpa_backend=sdpa_backend,
-            proj_bias=proj_bias,
+            d_context=block.d_context,
+            sdpa_backend=a.sdpa_backend,
+            proj_bias=a.proj_bias,
+            performer_features=a.performer_features,
         )
-        attn.n_features = performer_features
-        return attn
 
-    blocks = []
-    for i in range(n_layers):
-        dp = drop_path * i / max(n_layers - 1, 1)
-        mlp = build_mlp(d_model, hidden, act, mlp_bias, drop)
-        if block == "pre":
-            blocks.append(Block(d_model, attention(), mlp, norm, norm_eps, dp, layer_scale))
-        elif block == "post":
-            blocks.append(PostNormBlock(d_model, attention(), mlp, norm, norm_eps, dp, layer_scale))
-        elif block == "cross":
-            blocks.append(
-                CrossAttentionBlock(
-                    d_model, attention(), mlp, attention(cross=True), norm, norm_eps, dp, layer_scale
-                )
+    def make(i: int) -> nn.Module:
+        dp = block.drop_path * i / max(n_layers - 1, 1)
+        # made first for every family, the conformer too (which makes its own feed-forwards and drops
+        # this one): the random stream, and so every initial weight, stays as it has always been
+        ffn = build_mlp(d_model, hidden, mlp.act, mlp.bias, mlp.drop)
+        if block.kind == "pre":
+            return Block(d_model, attend(), ffn, norm, norm_eps, dp, block.layer_scale)
+        if block.kind == "post":
+            return PostNormBlock(d_model, attend(), ffn, norm, norm_eps, dp, block.layer_scale)
+        if block.kind == "cross":
+            return CrossAttentionBlock(
+                d_model, attend(), ffn, attend(cross=True), norm, norm_eps, dp, block.layer_scale
             )
-        elif block == "conformer":
-            blocks.append(ConformerBlock(d_model, attention(), hidden, conv_kernel, drop, norm_eps))
-        else:
-            blocks.append(AdaLNBlock(d_model, attention(), mlp, d_cond or d_model, norm_eps, dp))
-    final = build_norm(norm, d_model, norm_eps) if final_norm and block != "post" else nn.Identity()
-    backbone = Backbone(
-        blocks,
-        final,
-        causal,
-        positions,
-        rope_base,
-        rope_axes,
-        window,
-        bidirectional_modalities,
-        rel_buckets,
-        rel_max_distance,
-        {"block": bigbird_block, "pattern": (bigbird_window, bigbird_global, bigbird_random)}
-        if bigbird_block
-        else None,
-    )
+        if block.kind == "conformer":
+            return ConformerBlock(d_model, attend(), hidden, block.conv_kernel, mlp.drop, norm_eps)
+        return AdaLNBlock(d_model, attend(), ffn, block.d_cond or d_model, norm_eps, dp)
+
+    blocks = [make(i) for i in range(n_layers)]
+    final = build_norm(norm, d_model, norm_eps) if final_norm and block.kind != "post" else nn.Identity()
+    backbone = Backbone(blocks, final, causal, positions, long_context, bidirectional_modalities)
     backbone.init_weights()
     return backbone

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..nn.attention import KVCache
+from ..nn.kv_cache import KVCache
 from ..nn.tokens import Tokens
 
 Step = Callable[[Tensor, int], Tensor]

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..nn.attention import KVCache
-from ..nn.tokens import Tokens
+from ..nn.kv_cache import KVCache
+from ..nn.tokens import ConditionedTokens, Tokens
 from .decoding import beam_search, greedy, text_tokens
 from .model import MultimodalModel
 
@@ -59,7 +59,7 @@ class EncoderDecoder:
         images; ids) → the encoder's output as Tokens ``(B, M, D_enc)`` (its ``valid`` marks real tokens)."""
         kwargs = {"valid": source_valid} if source_valid is not None else {}
         tokens = model.tokenizers[self.tokenizer](inputs, **kwargs)
-        if isinstance(tokens, tuple):
+        if isinstance(tokens, ConditionedTokens):
             raise ValueError(
                 f"tokenizer {self.tokenizer!r} returns a conditioning vector; it cannot be a source"
             )

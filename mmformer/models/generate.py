@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..nn.attention import KVCache
+from ..nn.kv_cache import KVCache
 from .compiled_decoding import compiled_step
 from .model import MultimodalModel
 

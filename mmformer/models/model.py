@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..nn.tokens import Tokens
+from ..nn.tokens import ConditionedTokens, Tokens
+from ..tokenizers import Tokenizer
 from .backbone import Backbone
 
 
@@ -18,21 +19,31 @@ class MultimodalModel(nn.Module):
     """Modality tokenizers feeding one shared backbone, read out by named heads.
 
     Args:
-        tokenizers: name → model-side tokenizer (returns ``Tokens`` of its backbone's width).
+        tokenizers: name → model-side tokenizer (``mmformer.tokenizers.Tokenizer``: returns ``Tokens`` of
+            its backbone's width; ``ConditionedTokens`` for a conditioning one, DiT).
         backbone: the shared ``Backbone``.
         heads: name → head module ``(hidden (B, N, D), tokens) → output``.
         towers: tokenizer name → a ``Backbone`` of its own that reads that tokenizer's tokens instead of
             the shared one (per-modality towers, e.g. a pretrained text encoder beside an image ViT).
+
+    Raises ``TypeError`` for a tokenizer that does not satisfy ``Tokenizer``, ``ValueError`` for a tower
+    that names no tokenizer.
     """
 
     def __init__(
         self,
-        tokenizers: dict[str, nn.Module],
+        tokenizers: dict[str, Tokenizer],
         backbone: Backbone,
         heads: dict[str, nn.Module],
         towers: dict[str, Backbone] | None = None,
     ):
         super().__init__()
+        for name, tok in tokenizers.items():
+            if not isinstance(tok, Tokenizer):
+                raise TypeError(
+                    f"tokenizer {name!r} ({type(tok).__name__}) does not satisfy mmformer.tokenizers.Tokenizer "
+                    "(modality, num_prefix_tokens, forward → Tokens, example_input)"
+                )
         unknown = set(towers or {}) - set(tokenizers)
         if unknown:
             raise ValueError(f"towers {sorted(unknown)} name no tokenizer; tokenizers: {list(tokenizers)}")
@@ -60,8 +71,8 @@ class MultimodalModel(nn.Module):
     ) -> tuple[Tensor, Tokens, Tensor | None]:
         if tokenizer not in self.tokenizers:
             raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
-        out = self.tokenizers[tokenizer](inputs, **kwargs)
-        tokens, cond = out if isinstance(out, tuple) else (out, None)  # DiT: (Tokens, cond (B, Dc))
+        tokens = self.tokenizers[tokenizer](inputs, **kwargs)
+        cond = tokens.cond if isinstance(tokens, ConditionedTokens) else None  # DiT: (B, Dc)
         hidden = self.backbone_of(tokenizer)(
             tokens, cache=cache, **({"cond": cond} if cond is not None else {})
         )
@@ -69,7 +80,7 @@ class MultimodalModel(nn.Module):
 
     def forward(self, inputs: Tensor, tokenizer: str, head: str, cache=None, **tokenizer_kwargs) -> Tensor:
         """``heads[head](backbone(tokenizers[tokenizer](inputs)))``. A conditioning tokenizer (DiT) returns
-        ``(Tokens, cond (B, Dc))``: ``cond`` then reaches the backbone's adaLN blocks and the head."""
+        ``ConditionedTokens``: their ``cond (B, Dc)`` then reaches the backbone's adaLN blocks and the head."""
         hidden, tokens, cond = self._run(tokenizer, inputs, cache, tokenizer_kwargs)
         if cond is not None:
             return self.heads[head](hidden, tokens, cond)

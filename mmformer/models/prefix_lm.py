@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..nn.attention import KVCache
-from ..nn.tokens import Tokens, cat_tokens
+from ..nn.kv_cache import KVCache
+from ..nn.tokens import ConditionedTokens, Tokens, cat_tokens
 from .decoding import beam_search, greedy, text_tokens
 from .model import MultimodalModel
 
@@ -62,12 +62,11 @@ class PrefixLM:
         real sample) → prefix Tokens of the backbone's width. Raises ``ValueError`` for a conditioning
         (DiT) tokenizer."""
         kwargs = {"valid": prefix_valid} if prefix_valid is not None else {}
-        out = model.tokenizers[self.tokenizer](inputs, **kwargs)
-        if isinstance(out, tuple):
+        tokens = model.tokenizers[self.tokenizer](inputs, **kwargs)
+        if isinstance(tokens, ConditionedTokens):
             raise ValueError(
                 f"tokenizer {self.tokenizer!r} returns a conditioning vector; it cannot be a prefix"
             )
-        tokens = out
         if self.tokenizer in model.towers:
             tokens = replace(tokens, x=model.towers[self.tokenizer](tokens))
         if self.projector is not None:

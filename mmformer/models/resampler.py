@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ..nn.attention import Attention, AttentionInputs
 from ..nn.masks import MaskSpec
 from ..nn.mlp import Mlp
-from ..nn.tokens import Tokens
+from ..nn.tokens import ConditionedTokens, Tokens
 
 
 class PerceiverResampler(nn.Module):
@@ -75,7 +75,7 @@ class PerceiverResampler(nn.Module):
 class ResampledTokenizer(nn.Module):
     """A tokenizer whose Tokens are compressed by a ``PerceiverResampler``: whatever the input length,
     ``L`` tokens come out, all valid, at positions ``0 … L-1`` (every position axis), one document, the
-    tokenizer's modality. A conditioning tokenizer's ``(Tokens, cond)`` keeps its ``cond``."""
+    tokenizer's modality. A conditioning tokenizer's ``ConditionedTokens`` keep their ``cond``."""
 
     num_prefix_tokens = 0  # no class token survives the resampling: heads pool over all latents
 
@@ -89,9 +89,8 @@ class ResampledTokenizer(nn.Module):
         except AttributeError:  # example_input, sample_rate, num_classes, … of the wrapped tokenizer
             return getattr(super().__getattr__("tokenizer"), name)
 
-    def forward(self, *args, **kwargs):
-        out = self.tokenizer(*args, **kwargs)
-        tokens, cond = out if isinstance(out, tuple) else (out, None)
+    def forward(self, *args, **kwargs) -> Tokens:
+        tokens = self.tokenizer(*args, **kwargs)
         x = self.resampler(tokens.x, None if bool(tokens.valid.all()) else tokens.valid)
         B, L = x.shape[:2]
         P = tokens.positions.shape[-1]
@@ -103,4 +102,8 @@ class ResampledTokenizer(nn.Module):
             document=torch.zeros(B, L, dtype=torch.long, device=x.device),
             modality=tokens.modality[:, :1].expand(B, L),
         )
-        return (resampled, cond) if cond is not None else resampled
+        return (
+            ConditionedTokens.of(resampled, tokens.cond)
+            if isinstance(tokens, ConditionedTokens)
+            else resampled
+        )

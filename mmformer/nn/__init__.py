@@ -6,7 +6,7 @@ from .masks import MaskSpec, to_additive, to_ignore
 from .mlp import Mlp, SwiGLU, build_mlp
 from .norms import build_norm
 from .positions import RotaryEmbedding, alibi_bias, alibi_slopes, resample_pos_embed, sinusoidal
-from .tokens import MODALITY_IDS, Tokens, cat_tokens
+from .tokens import MODALITY_IDS, ConditionedTokens, Tokens, cat_tokens
 
 __all__ = [
     "KERNELS",
@@ -33,6 +33,7 @@ __all__ = [
     "resample_pos_embed",
     "sinusoidal",
     "MODALITY_IDS",
+    "ConditionedTokens",
     "Tokens",
     "cat_tokens",
 ]

@@ -21,6 +21,11 @@ arXiv:2302.05442), RoPE and ALiBi (``mmformer.nn.positions``), attention dropout
 and a KV cache for incremental decoding (``KVCache``). Fully masked query rows return zeros.
 Reference: Vaswani et al. 2017 (arXiv:1706.03762) §3.2.
 
+What a layer reads besides its input — the mask (True = may attend), RoPE angles, ALiBi and relative
+biases — is one read-only ``AttentionInputs``. A backbone builds it once per forward, with the mask
+already in the forms its layers' kernels take (``KernelMask``: a dense mask, a ``BlockMask``, the score
+bias), so no layer builds them again and none writes anything for the next one.
+
 Shape legend: B batch, Nq queries, Nk keys, D model width, H query heads, Hkv key/value heads,
 Dh head width.
 """
@@ -34,116 +39,134 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kv_cache import KVCache
 from .masks import MaskSpec, to_additive
-from .positions import RotaryEmbedding
+from .positions import RotaryEmbedding, alibi_bias
 
 KERNELS = ("auto", "eager", "sdpa", "flex", "performer")
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
-@dataclass
+@dataclass(frozen=True)
+class KernelMask:
+    """A mask and score bias in the forms the kernels read, for ``n_q`` queries and ``n_k`` keys.
+
+    Built once per forward (``AttentionInputs.prepared``) and only read by every layer, so a backbone
+    turns its mask into a dense tensor or a ``BlockMask`` once, not once per layer.
+
+    Attributes:
+        n_q, n_k: the query and key counts it was built for (a layer with others builds its own).
+        kernels: the kernels it holds forms for (``eager``, ``sdpa``, ``flex``; ``performer`` needs none).
+        bias: ``(B, H, Nq, Nk)`` float32 additive score bias (ALiBi plus a learned relative bias), or
+            None: eager / sdpa (flex adds it as a score modification instead).
+        dense: ``(B or 1, 1, Nq, Nk)`` bool, True = may attend, or None when no kernel needs it: eager
+            (whenever the mask hides anything), sdpa (unless it takes the ``is_causal`` fast path).
+        empty_rows: ``(B or 1, 1, Nq, 1)`` bool, the fully masked query rows of ``dense`` (whose output is
+            zeroed), or None when there are none (known on CPU) or no dense mask.
+        block_mask: the FlexAttention ``BlockMask`` (flex), or None.
+    """
+
+    n_q: int
+    n_k: int
+    kernels: frozenset[str]
+    bias: Tensor | None = None
+    dense: Tensor | None = None
+    empty_rows: Tensor | None = field(default=None, repr=False)
+    block_mask: object | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
 class AttentionInputs:
-    """What every layer's attention needs besides its input, computed once per forward.
+    """What every layer's attention reads besides its input: built once per forward (``Backbone.forward``)
+    and passed to every block; no layer writes to it.
 
     Attributes:
         mask: who may attend to whom (self-attention).
         context_mask: which context tokens cross-attention may read (their ``valid``).
         rope: ``(cos, sin)`` for the queries' positions, ``(B, 1, Nq, Dh)`` each, or None.
         alibi_slopes: ``(H,)`` ALiBi slopes, or None.
-        rel_table, rel_buckets: a learned relative position bias ``table[bucket(q, k), h]`` (or None).
-        q_pos: ``(B, Nq)`` query positions (ALiBi); k_pos: ``(B, Nk)`` key positions.
+        rel_table, rel_buckets: a learned relative position bias ``table[bucket(q, k), h]``: ``(buckets, H)``
+            and ``(B, Nq, Nk)`` long (or None).
+        q_pos: ``(B, Nq)`` query positions (ALiBi, relative bias); k_pos: ``(B, Nk)`` key positions.
+        kernel_mask, context_kernel_mask: ``mask`` / ``context_mask`` in the forms the layers' kernels
+            read (``prepared``), or None: a layer then builds what it needs for its own call only.
     """
 
     mask: MaskSpec = field(default_factory=MaskSpec)
     context_mask: MaskSpec = field(default_factory=MaskSpec)
     rope: tuple[Tensor, Tensor] | None = None
     alibi_slopes: Tensor | None = None
-    rel_table: Tensor | None = None  # (buckets, H) learned relative position bias (T5 / Toeplitz)
-    rel_buckets: Tensor | None = None  # (B, Nq, Nk) long: each query–key pair's bucket
-    rel_dense: Tensor | None = None  # (B, H, Nq, Nk) the bias itself, gathered once per forward
+    rel_table: Tensor | None = None
+    rel_buckets: Tensor | None = None
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
-    block_mask: object | None = None  # FlexAttention BlockMask, built once per forward by the first layer
-    # eager / sdpa: (mask, Nq, Nk, dense mask or None, its fully masked query rows or None), built once
-    # per forward by the first layer and reused by the others
-    dense_mask: tuple | None = field(default=None, repr=False)
+    kernel_mask: KernelMask | None = None
+    context_kernel_mask: KernelMask | None = None
+
+    def prepared(
+        self,
+        kernels: set[str],
+        n_q: int,
+        n_k: int,
+        batch_size: int,
+        device: torch.device,
+        context_kernels: set[str] = frozenset(),
+        n_context: int = 0,
+    ) -> AttentionInputs:
+        """These inputs with ``kernel_mask`` built for self-attention kernels ``kernels`` over ``n_q``
+        queries and ``n_k`` keys, and ``context_kernel_mask`` for cross-attention kernels
+        ``context_kernels`` over ``n_context`` context tokens (when any)."""
+        own = _kernel_mask(self.mask, self, kernels, n_q, n_k, batch_size, device)
+        ctx = None
+        if context_kernels:
+            ctx = _kernel_mask(self.context_mask, None, context_kernels, n_q, n_context, batch_size, device)
+        return replace(self, kernel_mask=own, context_kernel_mask=ctx)
+
+    def for_context(self) -> AttentionInputs:
+        """The inputs of cross-attention: the context's mask, no causality, RoPE or ALiBi across sequences."""
+        return AttentionInputs(mask=self.context_mask, kernel_mask=self.context_kernel_mask)
 
 
-class KVCache:
-    """Keys and values of past tokens, per layer, plus the per-token metadata masks need.
+def _score_bias(inputs: AttentionInputs) -> Tensor | None:
+    """The additive score bias ``(B, H, Nq, Nk)`` float32: ALiBi and / or a learned relative bias."""
+    bias = None
+    if inputs.alibi_slopes is not None:
+        bias = alibi_bias(inputs.alibi_slopes, inputs.q_pos, inputs.k_pos)
+    if inputs.rel_table is not None:
+        rel = inputs.rel_table.float()[inputs.rel_buckets].permute(0, 3, 1, 2)  # (B, H, Nq, Nk)
+        bias = rel if bias is None else bias + rel
+    return bias
 
-    ``Backbone.forward(tokens, cache=cache)`` appends the new tokens; the cache never supplies positions
-    (the caller's Tokens do, counting on from the cache length). Keys and values of padding are stored
-    zeroed (``Attention`` zeroes them as they enter), so later steps need not zero the cache again.
 
-    Keys and values live in buffers with room to grow (capacity doubled when full, as a ``list``), so a
-    decoding step writes its one new position instead of copying the whole cache (``torch.cat`` each
-    step, as transformers' default ``DynamicCache``, moves O(N) bytes per step and layer); ``keys`` /
-    ``values`` are views of the filled part. For inference (under ``torch.no_grad``): appends write in
-    place, so autograd refuses a backward through several cached steps.
-    """
-
-    def __init__(self, capacity: int = 0) -> None:
-        """``capacity``: positions to make room for at the first append (the prompt plus the tokens to
-        decode, when the caller knows them: one allocation, no doubling)."""
-        self.capacity = capacity
-        self.keys: dict[int, Tensor] = {}  # layer → (B, Hkv, Nk, Dh), a view of the layer's buffer
-        self.values: dict[int, Tensor] = {}
-        self._buffers: dict[int, tuple[Tensor, Tensor]] = {}  # layer → (B, Hkv, capacity, Dh) each
-        self.valid: Tensor | None = None  # (B, Nk) bool
-        self.document: Tensor | None = None  # (B, Nk) long
-        self.positions: Tensor | None = None  # (B, Nk, P) long
-        self.span_open: Tensor | None = (
-            None  # (B,) bool: the last cached token is inside a bidirectional span
-        )
-        # cross-attention keys/values of the context (encoder–decoder): computed at the first step and
-        # reused by every later one, since the context does not change while decoding
-        self.cross: dict[int, tuple[Tensor, Tensor]] = {}  # layer → (B, Hkv, M, Dh) each
-
-    @property
-    def length(self) -> int:
-        return 0 if self.valid is None else self.valid.shape[1]
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k, v (B, Hkv, Nq, Dh)`` for ``layer``; returns all keys and values so far (views)."""
-        n = self.keys[layer].shape[2] if layer in self.keys else 0
-        end = n + k.shape[2]
-        buf_k, buf_v = self._buffers.get(layer, (None, None))
-        if buf_k is None or end > buf_k.shape[2]:
-            room = self.capacity if buf_k is None and self.capacity >= end else max(2 * end, 16)
-            shape = (*k.shape[:2], room, k.shape[3])
-            grown_k, grown_v = k.new_empty(shape), v.new_empty(shape)
-            if n:
-                grown_k[:, :, :n], grown_v[:, :, :n] = self.keys[layer], self.values[layer]
-            buf_k, buf_v = self._buffers[layer] = grown_k, grown_v
-        buf_k[:, :, n:end], buf_v[:, :, n:end] = k, v
-        self.keys[layer], self.values[layer] = buf_k[:, :, :end], buf_v[:, :, :end]
-        return self.keys[layer], self.values[layer]
-
-    def reorder(self, index: Tensor, cross: bool = True) -> None:
-        """Keep batch rows ``index (B',)`` long, in that order (beam search: each surviving hypothesis
-        continues from its parent's keys and values; a row may be repeated). ``cross=False`` leaves the
-        cross-attention keys/values as they are: right when every row keeps its source (beams of one
-        source replacing each other), and it saves copying them every step."""
-        pick = lambda t: None if t is None else t.index_select(0, index)
-        for layer, (buf_k, buf_v) in self._buffers.items():  # whole buffers: their room is kept
-            n = self.keys[layer].shape[2]
-            buf_k, buf_v = self._buffers[layer] = pick(buf_k), pick(buf_v)
-            self.keys[layer], self.values[layer] = buf_k[:, :, :n], buf_v[:, :, :n]
-        self.valid, self.document, self.positions = (
-            pick(self.valid),
-            pick(self.document),
-            pick(self.positions),
-        )
-        self.span_open = pick(self.span_open)
-        if cross:
-            self.cross = {layer: (pick(k), pick(v)) for layer, (k, v) in self.cross.items()}
-
-    def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:
-        """Append the new tokens' metadata (called once per forward, after every layer ran)."""
-        cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)
-        self.valid, self.document = cat(self.valid, valid), cat(self.document, document)
-        self.positions = cat(self.positions, positions)
+def _kernel_mask(
+    mask: MaskSpec,
+    biased: AttentionInputs | None,
+    kernels: set[str],
+    n_q: int,
+    n_k: int,
+    batch_size: int,
+    device: torch.device,
+) -> KernelMask:
+    """``mask`` (and the score bias of ``biased``, when given) in the forms ``kernels`` read
+    (see ``KernelMask``)."""
+    kernels = frozenset(kernels)
+    block_mask = mask.block_mask(batch_size, n_q, n_k, device) if "flex" in kernels else None
+    if not kernels & {"eager", "sdpa"}:
+        return KernelMask(n_q, n_k, kernels, block_mask=block_mask)
+    bias = _score_bias(biased) if biased is not None else None
+    mask = _decoding_mask(mask, n_k)
+    fast_causal = mask.is_causal_only and n_q == n_k and bias is None
+    dense, empty_rows = None, None
+    if not mask.is_full and ("eager" in kernels or not fast_causal):
+        dense = mask.dense(n_q, n_k, device)
+        empty_rows = ~dense.any(dim=-1, keepdim=True)
+        if (
+            empty_rows.device.type == "cpu"
+            and not torch.compiler.is_compiling()  # a graph keeps the (fused) zeroing, not a break per layer
+            and not bool(empty_rows.any())
+        ):
+            empty_rows = None  # no query row is fully masked (the usual case): nothing to zero in any layer
+    return KernelMask(n_q, n_k, kernels, bias, dense, empty_rows, block_mask)
 
 
 def _zero_padding(k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -212,7 +235,6 @@ class Attention(nn.Module):
         n_heads: query heads ``H``.
         n_kv_heads: key/value heads (``None`` → ``n_heads``; 1 = multi-query); must divide ``n_heads``.
         qkv_bias: bias on the input projections.
-        proj_bias: bias on the output projection (timm and BERT have one, Llama has none).
         attn_drop: dropout on attention weights (training only).
         proj_drop: dropout after the output projection.
         kernel: one of ``KERNELS``; can be switched later (``attn.kernel = "eager"``).
@@ -220,9 +242,13 @@ class Attention(nn.Module):
         cross: cross-attention: queries from ``x``, keys and values from ``context``.
         d_context: context width (cross-attention; default ``d_model``).
         sdpa_backend: force an SDPA backend on CUDA (``flash``, ``efficient``, ``cudnn``, ``math``).
+        proj_bias: bias on the output projection (timm and BERT have one, Llama has none).
+        performer_features: random features per head of the ``performer`` kernel (FAVOR+, drawn once
+            with a fixed seed; ``mmformer.nn.linear_attention``).
 
     Raises:
-        ValueError: indivisible widths / head counts, or an unknown kernel or backend.
+        ValueError: indivisible widths / head counts, an unknown kernel or backend, or
+        ``performer_features < 1``.
     """
 
     def __init__(
@@ -239,6 +265,7 @@ class Attention(nn.Module):
         d_context: int | None = None,
         sdpa_backend: str = "auto",
         proj_bias: bool = True,
+        performer_features: int = 256,
     ):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -248,8 +275,11 @@ class Attention(nn.Module):
             raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
         if sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"unknown sdpa_backend {sdpa_backend!r}; choose from {SDPA_BACKENDS}")
+        if performer_features < 1:
+            raise ValueError(f"performer_features must be >= 1, got {performer_features}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
         self.kernel, self.sdpa_backend, self.attn_drop, self.cross = kernel, sdpa_backend, attn_drop, cross
+        self.performer_features = performer_features
         H, Hkv, Dh = n_heads, n_kv_heads, self.head_dim
         if cross:
             self.q = nn.Linear(d_model, H * Dh, bias=qkv_bias)
@@ -307,7 +337,8 @@ class Attention(nn.Module):
     ) -> Tensor:
         """``x (B, Nq, D)`` → ``(B, Nq, D)``.
 
-        ``inputs``: mask, RoPE angles and ALiBi for this forward (or just a ``MaskSpec``).
+        ``inputs``: mask, RoPE angles, ALiBi and relative bias for this forward (or just a ``MaskSpec``),
+        only read; with ``kernel_mask`` prepared for this kernel and shape, the mask is not rebuilt.
         ``context (B, Nk, D_ctx)``: the cross-attention source.
         ``cache``: self-attention appends this forward's keys/values to ``layer``'s cache and attends
         over all of them; cross-attention projects ``context`` once, at the first call for ``layer``,
@@ -318,7 +349,7 @@ class Attention(nn.Module):
         if self.cross:
             if context is None:
                 raise ValueError("cross-attention needs a context")
-            inputs = AttentionInputs(mask=inputs.context_mask)  # no causality, RoPE or ALiBi across sequences
+            inputs = inputs.for_context()  # no causality, RoPE or ALiBi across sequences
         B, Nq, _ = x.shape
         q, k, v = self._project(x, context, cache, layer)
         if inputs.rope is not None and not self.cross:
@@ -368,23 +399,21 @@ class Attention(nn.Module):
         dropout_p = self.attn_drop if self.training else 0.0
         if kernel == "performer":
             return self._performer(q, k, v, mask)
+        prepared = inputs.kernel_mask
+        if prepared is None or kernel not in prepared.kernels or (prepared.n_q, prepared.n_k) != (Nq, Nk):
+            # a layer used alone (not from a backbone's forward): build this call's forms itself
+            prepared = _kernel_mask(mask, inputs, {kernel}, Nq, Nk, q.shape[0], q.device)
         if kernel == "flex":
             if dropout_p > 0.0:
                 raise ValueError("the flex kernel has no attention dropout; use sdpa or eager")
-            if inputs.block_mask is None:  # built once, shared by every layer of this forward
-                inputs.block_mask = mask.block_mask(q.shape[0], Nq, Nk, q.device)
-            return flex_attention(q, k, v, inputs.block_mask, self._score_mod(inputs))
-        bias = self._bias(inputs)
-        mask = _decoding_mask(mask, Nk)
-        fast_causal = mask.is_causal_only and Nq == Nk and bias is None
-        dense, empty_rows = None, None
-        if not (mask.is_full or fast_causal) or kernel == "eager":
-            dense, empty_rows = self._dense(inputs, mask, Nq, Nk, q.device)
+            return flex_attention(q, k, v, prepared.block_mask, self._score_mod(inputs))
+        bias, dense, empty_rows = prepared.bias, prepared.dense, prepared.empty_rows
         if kernel == "eager":
             if self.n_kv_heads != self.n_heads:  # GQA: each group of H / Hkv query heads shares a kv head
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
             return eager_attention(q, k, v, dense, bias, dropout_p)
-        attn_mask = dense
+        fast_causal = _decoding_mask(mask, Nk).is_causal_only and Nq == Nk and bias is None
+        attn_mask = None if fast_causal else dense  # (a dense mask may be there for an eager layer)
         if bias is not None:  # sdpa takes one additive float mask: the bias plus the mask's additive form
             attn_mask = bias.to(q.dtype) if dense is None else bias.to(q.dtype) + to_additive(dense, q.dtype)
         with self._sdpa_context(q):
@@ -398,34 +427,9 @@ class Attention(nn.Module):
                 enable_gqa=self.n_kv_heads != self.n_heads,
             )
         # sdpa's fully masked rows are backend-dependent (NaN or mean): make them 0
-        if empty_rows is not None:
+        if empty_rows is not None and not fast_causal:
             out = out.masked_fill(empty_rows, 0.0)
         return out
-
-    @staticmethod
-    def _dense(
-        inputs: AttentionInputs, mask: MaskSpec, Nq: int, Nk: int, device: torch.device
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """``mask`` as a dense bool ``(B or 1, 1, Nq, Nk)`` tensor and its fully masked query rows
-        ``(B or 1, 1, Nq, 1)`` (None on CPU when there are none); ``(None, None)`` when it allows
-        everything. Built once per forward (every layer of a backbone shares ``inputs`` and the shapes),
-        not once per layer."""
-        cached = inputs.dense_mask
-        if cached is not None and cached[0] is inputs.mask and cached[1:3] == (Nq, Nk):
-            return cached[3], cached[4]
-        dense = None if mask.is_full else mask.dense(Nq, Nk, device)
-        empty_rows = None if dense is None else ~dense.any(dim=-1, keepdim=True)
-        if (
-            empty_rows is not None
-            and empty_rows.device.type == "cpu"
-            and not torch.compiler.is_compiling()  # a graph keeps the (fused) zeroing, not a break per layer
-            and not bool(empty_rows.any())
-        ):
-            empty_rows = None  # no query row is fully masked (the usual case): nothing to zero in any layer
-        inputs.dense_mask = (inputs.mask, Nq, Nk, dense, empty_rows)
-        return dense, empty_rows
-
-    n_features = 256  # performer: random features per head (set by the backbone's ``performer_features``)
 
     def _performer(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:
         """FAVOR+ (``nn.linear_attention``): causal or not, with padding; no documents, spans or windows."""
@@ -442,26 +446,13 @@ class Attention(nn.Module):
                 "the performer kernel supports causal and padding masks only (no packed documents, "
                 "bidirectional spans, sliding windows or KV cache)"
             )
-        features = getattr(self, "_features", None)
-        if features is None or features.shape != (self.n_features, self.head_dim):
+        features = getattr(self, "_features", None)  # drawn at the first call (none for other kernels)
+        if features is None or features.shape != (self.performer_features, self.head_dim):
             generator = torch.Generator().manual_seed(0)  # fixed features: the same function in eval
-            self._features = features = orthogonal_features(self.n_features, self.head_dim, generator)
+            self._features = features = orthogonal_features(self.performer_features, self.head_dim, generator)
         if self.n_kv_heads != self.n_heads:
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
         return favor_attention(q, k, v, features, mask.causal, mask.valid)
-
-    def _bias(self, inputs: AttentionInputs) -> Tensor | None:
-        """The additive score bias ``(B, H, Nq, Nk)`` float32: ALiBi and / or a learned relative bias."""
-        bias = None
-        if inputs.alibi_slopes is not None:
-            from .positions import alibi_bias
-
-            bias = alibi_bias(inputs.alibi_slopes, inputs.q_pos, inputs.k_pos)
-        if inputs.rel_table is not None:
-            if inputs.rel_dense is None:  # every layer adds the same bias (T5): gather it once
-                inputs.rel_dense = inputs.rel_table.float()[inputs.rel_buckets].permute(0, 3, 1, 2)
-            bias = inputs.rel_dense if bias is None else bias + inputs.rel_dense
-        return bias
 
     def _score_mod(self, inputs: AttentionInputs):
         mods = []

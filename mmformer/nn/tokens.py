@@ -81,14 +81,46 @@ class Tokens:
         return bool(self.valid.all())
 
 
+@dataclass
+class ConditionedTokens(Tokens):
+    """Tokens with a conditioning vector for the whole sequence, what a conditioning tokenizer (DiT's
+    timestep + class / caption embedding) hands the model, which passes it on as the backbone's (and the
+    head's) ``cond``.
+
+    Attributes:
+        cond: ``(B, D_c)`` float, one vector per sample (adaLN conditioning); not a per-token field, so
+            conditioned Tokens are neither concatenated nor used as a prefix or a cross-attention source.
+    """
+
+    cond: Tensor
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cond.dim() != 2 or self.cond.shape[0] != self.x.shape[0]:
+            raise ValueError(
+                f"ConditionedTokens.cond must have shape (B, D_c) with B={self.x.shape[0]}, "
+                f"got {tuple(self.cond.shape)}"
+            )
+
+    @classmethod
+    def of(cls, tokens: Tokens, cond: Tensor) -> ConditionedTokens:
+        """``tokens`` (every per-token field as is) with the conditioning vector ``cond (B, D_c)``."""
+        return cls(**{f.name: getattr(tokens, f.name) for f in fields(Tokens)}, cond=cond)
+
+
 def cat_tokens(parts: list[Tokens]) -> Tokens:
     """Concatenate Tokens along the token axis (every field), e.g. image prefix + text.
 
     Raises:
-        ValueError: if batch size, width or number of position axes differ.
+        ValueError: if batch size, width or number of position axes differ, or a part carries a
+            conditioning vector (``ConditionedTokens``).
     """
     if not parts:
         raise ValueError("cat_tokens needs at least one Tokens")
+    if any(isinstance(t, ConditionedTokens) for t in parts):
+        raise ValueError(
+            "cat_tokens: conditioned Tokens (a DiT's) carry one cond per sample; not concatenable"
+        )
     B, D, P = parts[0].x.shape[0], parts[0].x.shape[-1], parts[0].positions.shape[-1]
     for t in parts[1:]:
         if t.x.shape[0] != B or t.x.shape[-1] != D or t.positions.shape[-1] != P:

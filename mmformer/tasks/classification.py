@@ -1,20 +1,26 @@
 """Classification objective: cross-entropy on a head's logits; loss, accuracy and balanced accuracy (mean
 per-class recall) on validation.
 
-Batch keys: ``image`` (or ``text`` with ``text_valid``) and ``label`` ``(B,)`` long.
+Batch keys: ``image`` (or ``text`` with ``text_valid``, ``audio`` with ``audio_valid``) and ``label``
+``(B,)`` long. An audio classifier shows, after each validation, its first held-out clips with their
+true and predicted classes and the prediction's probability (a table ``audio/<task>`` of playable clips).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from ..data.audio import collate_audio
 from ..models.model import MultimodalModel
+from ..training.media import Audio, Media, MediaContext, Table
+from .base import TaskBase
 
 
-class ClassificationTask(nn.Module):
+class ClassificationTask(TaskBase):
     """Args:
     tokenizer: the ``model.tokenizers`` entry that reads this task's inputs.
     head: the ``model.heads`` entry that produces logits.
@@ -25,6 +31,7 @@ class ClassificationTask(nn.Module):
     """
 
     main_metric = ("acc", "max")  # what the best checkpoint monitors by default
+    media_clips = 8  # held-out clips an audio classifier shows after each validation
 
     def __init__(
         self,
@@ -68,3 +75,21 @@ class ClassificationTask(nn.Module):
         self.val_metrics["loss"].update(loss)
         self.val_metrics["acc"].update(logits, batch["label"])
         self.val_metrics["balanced_acc"].update(logits, batch["label"])
+
+    def media(self, ctx: MediaContext) -> list[Media]:
+        """Audio classifiers: the first ``media_clips`` held-out clips, each with its true class, the
+        predicted one and that prediction's probability (rounded to 3 decimals)."""
+        if self.input_key != "audio":
+            return []
+        val = ctx.val
+        classes = getattr(val, "classes", None) or [str(i) for i in range(self.num_classes)]
+        items = [val[i] for i in range(min(self.media_clips, len(val)))]
+        batch = {k: v.to(ctx.device) if torch.is_tensor(v) else v for k, v in collate_audio(items).items()}
+        logits = ctx.forward(self.logits, ctx.model, batch)  # (n, K)
+        prob, pred = logits.float().softmax(-1).max(-1)
+        rate = getattr(ctx.model.tokenizers[self.tokenizer], "sample_rate", 16_000)
+        rows = [
+            [Audio(it["audio"], rate), classes[it["label"]], classes[int(p)], round(float(q), 3)]
+            for it, p, q in zip(items, pred, prob)
+        ]
+        return [Table("audio", ["audio", "label", "prediction", "probability"], rows)]

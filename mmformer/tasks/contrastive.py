@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torchmetrics import CatMetric, MeanMetric
 
 from ..models.model import MultimodalModel
+from .base import TaskBase
 from .contrastive_loss import MAX_LOGIT_SCALE, clip_loss, siglip_loss
 
 LOSSES = ("clip", "siglip")
@@ -66,7 +67,7 @@ def zero_shot_accuracy(emb: Tensor, class_emb: Tensor, labels: Tensor) -> dict[s
     }
 
 
-class ContrastiveTask(nn.Module):
+class ContrastiveTask(TaskBase):
     """Args:
     tokenizer, head: the ``model.tokenizers`` / ``model.heads`` entries for the inputs (image or audio).
     caption_tokenizer, caption_head: the entries for the paired text.

@@ -8,7 +8,8 @@ Batch keys: ``image`` ``(B, C, H, W)`` uint8 (scaled here to [-1, 1]) or float a
 timesteps drawn from a fixed seed, so epochs compare like with like; a conditional model also reports
 ``loss_uncond``, the same loss (same noise, same timesteps) with the condition replaced by the null one.
 ``loss_uncond - loss`` is what the class or caption tells the network about held-out images: 0 when
-the condition is ignored, larger as conditioning is learnt.
+the condition is ignored, larger as conditioning is learnt. After each validation the task samples a
+grid from fixed noise with the validation weights (``media``: ``samples/<task>``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
+from torchvision.utils import make_grid
 
+from ..data.collate import pad_ids
 from ..models.diffusion import GaussianDiffusion, RectifiedFlow, ddim_sample, ddpm_sample, guided
 from ..models.model import MultimodalModel
+from ..training.media import Image, Media, MediaContext
+from .base import TaskBase
 
 SAMPLERS = {"gaussian": ("ddim", "ddpm"), "flow": ("euler", "heun")}
 FLOW_TIME_SCALE = 1000.0
@@ -34,7 +39,7 @@ def to_uint8(images: Tensor) -> Tensor:
     return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
-class DiffusionTask(nn.Module):
+class DiffusionTask(TaskBase):
     """Args:
     tokenizer: the ``DiTTokenizer`` entry of ``model.tokenizers``.
     head: the ``DiTFinalLayer`` entry of ``model.heads``.
@@ -53,6 +58,8 @@ class DiffusionTask(nn.Module):
     """
 
     main_metric = ("loss", "min")
+    # the grid after each validation: seed of its noise, samples when unconditional, captions shown
+    sample_seed, unconditional_samples, sample_captions = 0, 64, 8
 
     def __init__(
         self,
@@ -71,7 +78,7 @@ class DiffusionTask(nn.Module):
         super().__init__()
         self.tokenizer, self.head, self.input_key = tokenizer, head, input_key
         self.process, self.min_snr_gamma, self.val_seed = process, min_snr_gamma, val_seed
-        # the grid DiffusionSamples draws after each validation
+        # the grid ``media`` draws after each validation
         self.sample_cfg_scale, self.sample_steps = sample_cfg_scale, sample_steps
         self.samples_per_class = samples_per_class
         self.caption_tokenizer = caption_tokenizer
@@ -240,3 +247,33 @@ class DiffusionTask(nn.Module):
             return images.clamp(-1, 1)
         finally:
             model.train(was_training)
+
+    def media(self, ctx: MediaContext) -> list[Media]:
+        """A grid sampled from fixed noise (``sample_seed``) with the validation weights (the EMA when
+        kept): one row per class (class-conditional) or per held-out caption (the first
+        ``sample_captions``; text-conditional), ``samples_per_class`` each, guided with
+        ``sample_cfg_scale``; ``unconditional_samples`` in rows of 8 when unconditional."""
+        per_class, labels, captions, shown = self.samples_per_class, None, None, []
+        k = ctx.model.tokenizers[self.tokenizer].num_classes
+        if self.caption_tokenizer is not None:  # the first validation captions, one row each
+            val = ctx.val
+            items = [val[i] for i in range(min(self.sample_captions, len(val)))]
+            shown = [it["caption"] for it in items]
+            captions = pad_ids([it["ids"] for it in items for _ in range(per_class)], pad_id=0)
+        elif k:
+            labels = torch.arange(k).repeat_interleave(per_class)  # (k · per_class,)
+        conditional = labels is not None or captions is not None
+        generator = torch.Generator(ctx.device).manual_seed(self.sample_seed)
+        with ctx.validation_weights() as model:
+            images = ctx.forward(
+                self.sample,
+                model,
+                labels,
+                n=self.unconditional_samples,
+                cfg_scale=self.sample_cfg_scale if conditional else 1.0,
+                steps=self.sample_steps,
+                generator=generator,
+                captions=captions,
+            )  # (n, C, H, W) in [-1, 1]
+        grid = make_grid((images.float().cpu() + 1) / 2, nrow=per_class if conditional else 8, padding=1)
+        return [Image("samples", grid, " | ".join(shown) if shown else None)]

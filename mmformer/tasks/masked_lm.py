@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from ..models.model import MultimodalModel
+from .base import TaskBase
 from .language_model import IGNORE, Perplexity
 
 
@@ -48,7 +49,7 @@ def mask_tokens(
     return torch.where(randomize, random_ids, inputs), targets
 
 
-class MaskedLMTask(nn.Module):
+class MaskedLMTask(TaskBase):
     """Args: ``tokenizer`` (a text entry of ``model.tokenizers``), ``head`` (an ``mlm`` or ``lm`` head over
     the vocabulary), ``mask_id``, ``vocab_size``, ``special_ids`` (never chosen: bos / eos / pad / mask),
     ``mask_prob``, ``seed`` (validation masks)."""

@@ -10,7 +10,8 @@ the token after ``bos`` onwards, ``eos`` included). Validation: the same loss an
 (token-weighted), and the held-out text decoded (greedy, or beam search with ``beam_size > 1``) and
 scored against the references after ``normalize_text``: word error rate ``wer`` and character error
 rate ``cer`` (``torchmetrics.text``, edit operations summed over the whole set, then divided by the
-reference length) and ``exact_match`` (fraction of items decoded exactly).
+reference length) and ``exact_match`` (fraction of items decoded exactly). After each validation the
+first batch's references and decoded texts are shown as a table ``decoded/<task>``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torchmetrics.text import CharErrorRate, WordErrorRate
 from ..models.encoder_decoder import EncoderDecoder
 from ..models.model import MultimodalModel
 from ..models.prefix_lm import PrefixLM
+from ..training.media import Media, MediaContext, Table
+from .base import TaskBase
 from .language_model import IGNORE, Perplexity
 
 _NOT_WORD = re.compile(r"[^\w']+")
@@ -45,7 +48,7 @@ def caption_targets(ids: Tensor, valid: Tensor) -> Tensor:
     return ids[:, 1:].masked_fill(~(valid[:, 1:] & valid[:, :-1]), IGNORE)
 
 
-class PrefixLMTask(nn.Module):
+class PrefixLMTask(TaskBase):
     """Args:
     parts: the parts' names (``PrefixLM``; an ``EncoderDecoder`` for ``Seq2SeqTask``, same interface).
     input_key: the batch key of the prefix inputs (``image`` or ``audio``).
@@ -105,15 +108,14 @@ class PrefixLMTask(nn.Module):
         logits, targets = self._losses(model, batch)
         return F.cross_entropy(logits, targets, ignore_index=IGNORE)
 
-    # set under FSDP2 (MultiTaskModule.configure_model): every rank decodes max_new_tokens steps, since
-    # each decoder forward gathers weights from all ranks and their batches end at different steps
-    lockstep: bool = False
-
     def transcribe(
         self, model: MultimodalModel, inputs: Tensor, prefix_valid: Tensor | None = None
     ) -> list[str]:
         """Decoded text for each input (``beam_size`` and ``length_penalty`` of this task); ``prefix_valid``
         ``(B, S)`` bool marks the real samples of padded waves."""
+        # under FSDP2 (``lockstep``, set by MultiTaskModule.configure_model) every rank decodes
+        # max_new_tokens steps: each decoder forward gathers weights from all ranks, and their batches
+        # would end at different steps
         ids = self.parts.generate(
             model,
             inputs,
@@ -148,3 +150,9 @@ class PrefixLMTask(nn.Module):
 
     def on_validation_epoch_start(self, model: MultimodalModel) -> None:
         self.examples = []
+
+    def media(self, ctx: MediaContext) -> list[Media]:
+        """The (reference, decoded) texts of the last validation's first batch, normalised; runs no model."""
+        if not self.examples:
+            return []
+        return [Table("decoded", ["reference", "decoded"], [list(r) for r in self.examples])]

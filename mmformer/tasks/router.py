@@ -6,15 +6,15 @@ the training loss is the weighted sum of the losses of the tasks present. Logged
 the recipe has several tasks), ``train/loss``, ``lr``, ``train/grad_norm``, ``train/nonfinite_steps``
 (updates skipped because a loss or gradient was NaN / inf on some rank — all ranks skip together),
 ``val/<task>/<metric>`` (torchmetrics objects, synchronised across ranks at epoch end, and a task's
-``epoch_metrics()`` computed over the whole validation set). A task's own parameters (a contrastive
-temperature) train in an extra optimizer group without weight decay.
+``epoch_metrics()`` computed over the whole validation set). Tasks satisfy the ``Task`` protocol
+(``tasks.base``), whose hooks this module calls. A task's own parameters (a contrastive temperature)
+train in an extra optimizer group without weight decay.
 Checkpoints carry the resolved recipe as plain YAML text and the RNG states, so they load with
 ``torch.load(weights_only=True)`` and resumed runs continue the same random streams.
 """
 
 from __future__ import annotations
 
-import inspect
 import random
 
 import lightning as L
@@ -28,6 +28,7 @@ from ..models import parallelize
 from ..models.backbone import Backbone
 from ..models.model import MultimodalModel
 from ..training.optim import build_optimizer, build_scheduler
+from .base import Task
 
 
 def _rng_state() -> dict:
@@ -91,15 +92,21 @@ def _shapes(batch: dict) -> str:
 class MultiTaskModule(L.LightningModule):
     """Args:
     model: the composed ``MultimodalModel``.
-    tasks: task name → objective module (``training_loss``, ``validation_update``, ``val_metrics``).
+    tasks: task name → objective module (a ``Task``: ``training_loss``, ``validation_update``,
+        ``val_metrics``, …).
     weights: task name → loss weight.
     optim: ``OptimConfig``.
     recipe_yaml: the resolved recipe, stored in every checkpoint.
     seed: the recipe's seed; each rank's random stream (dropout, augmentation in the main
         process) is seeded from it and the rank, so ranks do not draw identical masks and crops.
-    """
+    compile_blocks, checkpoint_blocks: ``torch.compile`` / activation checkpointing per block
+        (``trainer.compile``, ``trainer.activation_checkpointing``), applied in ``configure_model``.
+    task_modalities: task → the modality of its input tokenizer (per-modality losses).
+    tokenizer_files: text tokenizer name → its JSON, stored in every checkpoint (it stands alone).
+    pretrained_configs: pretrained source → its family and config, stored in every checkpoint.
 
-    last_tasks: list[str] = []  # the tasks of the current training step (for messages)
+    Raises ``TypeError`` for a task that does not satisfy ``Task``.
+    """
 
     def __init__(
         self,
@@ -109,19 +116,34 @@ class MultiTaskModule(L.LightningModule):
         optim,
         recipe_yaml: str = "",
         seed: int = 0,
+        *,
+        compile_blocks: bool = False,
+        checkpoint_blocks: bool = False,
+        task_modalities: dict[str, str] | None = None,
+        tokenizer_files: dict[str, str] | None = None,
+        pretrained_configs: dict[str, dict] | None = None,
     ):
         super().__init__()
+        for name, task in tasks.items():
+            if not isinstance(task, Task):
+                raise TypeError(
+                    f"task {name!r} ({type(task).__name__}) does not satisfy mmformer.tasks.base.Task; "
+                    "derive it from TaskBase"
+                )
         self.model = model
         self.tasks = nn.ModuleDict(tasks)
         self.weights, self.optim_cfg, self.recipe_yaml, self.seed = dict(weights), optim, recipe_yaml, seed
+        self.compile_blocks, self.checkpoint_blocks = compile_blocks, checkpoint_blocks
+        self.task_modalities = dict(task_modalities or {})
+        self.tokenizer_files = dict(tokenizer_files or {})
+        self.pretrained_configs = dict(pretrained_configs or {})
+        self.last_tasks: list[str] = []  # the tasks of the current training step (for messages)
+        self.nonfinite_steps = 0  # updates skipped so far (this process's run)
+        self.nonfinite_in_a_row = 0
+        self._configured = False
         self._window_loss: dict[str, list] = {}  # task → [Σ loss·units, units, micro-batches] this window
         self._window_steps = 0  # micro-batches of this rank's window so far
         self._window_totals: list[list[float]] = []  # per task: micro-batches, units, over all ranks
-
-    # set by the builder from trainer.compile / trainer.activation_checkpointing
-    compile_blocks: bool = False
-    checkpoint_blocks: bool = False
-    _configured = False
 
     def configure_model(self) -> None:
         """Activation checkpointing, ``torch.compile`` and FSDP2 sharding, per block, in that order
@@ -139,8 +161,7 @@ class MultiTaskModule(L.LightningModule):
         if mesh is not None:
             parallelize.shard_model(self.model, mesh["data_parallel"], root=self)
             for task in self.tasks.values():  # decoding tasks run the same number of forwards on every rank
-                if hasattr(task, "lockstep"):
-                    task.lockstep = True
+                task.lockstep = True
 
     def setup(self, stage: str) -> None:
         if stage == "fit":  # after the model's (identical) initialisation, before any checkpoint restore
@@ -188,10 +209,8 @@ class MultiTaskModule(L.LightningModule):
     # ------------------------------------------------------------------ accumulation windows
     def loss_units(self, task: str, batch: dict) -> int:
         """How many terms task ``task``'s training loss averages in ``batch``: the task's
-        ``loss_units(batch)`` (target tokens of a language model), else its ``batch_size(batch)``."""
-        t = self.tasks[task]
-        fn = getattr(t, "loss_units", None)
-        return int(fn(batch)) if fn is not None else int(t.batch_size(batch))
+        ``loss_units(batch)`` (target tokens of a language model; by default its ``batch_size``)."""
+        return int(self.tasks[task].loss_units(batch))
 
     def _window_scale(self, window: dict | None):
         """``scale(task, units)`` for the loss of a micro-batch holding ``units`` of ``task``, so that the
@@ -257,9 +276,7 @@ class MultiTaskModule(L.LightningModule):
         # e.g. a diffusion task re-seeds its validation noise, a contrastive one embeds its zero-shot
         # classes (with the EMA weights when kept: callbacks swap them in before this hook)
         for task in self.tasks.values():
-            hook = getattr(task, "on_validation_epoch_start", None)
-            if hook is not None:  # (model) or, in users' tasks written before it took one, ()
-                self(hook, self.model) if inspect.signature(hook).parameters else hook()
+            self(task.on_validation_epoch_start, self.model)
 
     def on_train_epoch_start(self) -> None:
         # A tower or tokenizer frozen whole (a locked pretrained text encoder) runs in eval mode: its
@@ -270,13 +287,6 @@ class MultiTaskModule(L.LightningModule):
             if params:
                 part.train(any(p.requires_grad for p in params))
 
-    def on_train_start(self) -> None:
-        # Lightning 2.6 restores a stateful training loader (``data.windows``: the epoch and the steps of
-        # it done) only when it builds the loader after the checkpoint's loop state is restored; ours is
-        # built earlier, to count the steps for the LR schedule (``estimated_stepping_batches``), so the
-        # saved state is handed over here, before the epoch's first batch is fetched.
-        self.trainer.fit_loop._load_combined_loader_states()
-
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # a validation that generated text left the backbones' weights in the decode layout (rank 0 only,
         # for the text samples): restore it on every rank before DDP's forward sees the weights
@@ -286,15 +296,12 @@ class MultiTaskModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         for task in self.tasks.values():  # e.g. clip a learned temperature after the update
-            hook = getattr(task, "after_optimizer_step", None)
-            if hook is not None:
-                hook()
+            task.after_optimizer_step()
 
     def on_validation_epoch_end(self) -> None:
         # whole-set metrics (retrieval over every held-out pair), already gathered from every rank
         for name, task in self.tasks.items():
-            hook = getattr(task, "epoch_metrics", None)
-            for metric, value in (hook() if hook is not None else {}).items():
+            for metric, value in task.epoch_metrics().items():
                 # every rank holds the same value; sync_dist averages identical numbers (no warning)
                 self.log(
                     f"val/{name}/{metric}", value, prog_bar=metric == task.main_metric[0], sync_dist=True
@@ -315,9 +322,6 @@ class MultiTaskModule(L.LightningModule):
             self.log("train/grad_norm", total_grad_norm(params))
 
     # ------------------------------------------------------------------ non-finite steps
-    nonfinite_steps = 0  # updates skipped so far (this process's run)
-    nonfinite_in_a_row = 0
-
     def _skip_update(self, params: list[torch.Tensor]) -> None:
         """A NaN / inf loss or gradient: drop every gradient, so AdamW leaves the weights and its moments
         untouched this step (the LR schedule still advances); stop after ``optim.max_nonfinite_steps`` in a
@@ -362,10 +366,6 @@ class MultiTaskModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------ checkpoints
-    tokenizer_files: dict[str, str] = {}  # text tokenizers as JSON, set by the builder
-    task_modalities: dict[str, str] = {}  # task → the modality of its input tokenizer, set by the builder
-    pretrained_configs: dict[str, dict] = {}  # pretrained sources' family and config, set by the builder
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["mmformer"] = {
             "recipe_yaml": self.recipe_yaml,

@@ -1,5 +1,5 @@
 """Modality tokenizers: each has a data-side half (per sample) and a model-side ``nn.Module``
-(per batch) that returns ``Tokens``."""
+(per batch) that returns ``Tokens`` (DESIGN.md, "The one idea")."""
 
 from typing import Protocol, runtime_checkable
 
@@ -12,12 +12,25 @@ from .text import SPECIAL_TOKENS, TextEmbedding, TextTokenizer
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """Anything that turns a batch tensor into Tokens (model side)."""
+    """The model side of a modality tokenizer: a batch tensor (and the keyword arguments of its kind:
+    a padding ``valid`` mask, a DiT's timesteps and labels) → ``Tokens`` of the backbone's width, every
+    field filled; a conditioning tokenizer returns ``ConditionedTokens`` (Tokens + ``cond (B, D_c)``).
+
+    Attributes:
+        modality: the ``MODALITY_IDS`` key stamped on its tokens (``text``, ``image``, ``audio``, …).
+        num_prefix_tokens: leading tokens that are not content (a class token): heads' mean pooling
+            skips them.
+
+    ``example_input(batch_size)`` gives an input of the expected shape (FLOP counting, smoke tests).
+    ``isinstance(module, Tokenizer)`` checks that these members exist, not their signatures.
+    """
 
     modality: str
     num_prefix_tokens: int
 
-    def __call__(self, inputs: Tensor) -> Tokens: ...
+    def forward(self, inputs: Tensor, *args, **kwargs) -> Tokens: ...
+
+    def example_input(self, batch_size: int = 1) -> Tensor: ...
 
 
 __all__ = [

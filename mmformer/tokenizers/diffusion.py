@@ -1,10 +1,11 @@
-"""Diffusion input: a noisy image, its timestep and its condition → Tokens + a conditioning vector
+"""Diffusion input: a noisy image, its timestep and its condition → Tokens with a conditioning vector
 (Peebles & Xie 2023, "Scalable Diffusion Models with Transformers" (DiT), §3.2; names as the reference
 implementation facebookresearch/DiT ``models.py``: ``x_embedder``, ``t_embedder``, ``y_embedder``,
 ``pos_embed``).
 
-The backbone reads the conditioning vector through its ``AdaLNBlock``s (``cond=``) and the
-``DiTFinalLayer`` head turns the hidden states back into an image.
+The tokenizer returns ``ConditionedTokens`` (Tokens + ``cond (B, D)``); the model hands ``cond`` to the
+backbone, which reads it through its ``AdaLNBlock``s (``cond=``), and to the ``DiTFinalLayer`` head,
+which turns the hidden states back into an image.
 
 Shape legend: B batch, C channels, H×W pixels, p patch size, Gh×Gw patch grid, N = Gh·Gw tokens, D width.
 """
@@ -16,7 +17,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..nn.tokens import MODALITY_IDS, Tokens
+from ..nn.tokens import MODALITY_IDS, ConditionedTokens, Tokens
 from .image import PatchEmbed
 
 
@@ -141,7 +142,7 @@ class TextConditionEmbedder(nn.Module):
 
 
 class DiTTokenizer(nn.Module):
-    """Noisy image, timestep and class → ``(Tokens, cond)``.
+    """Noisy image, timestep and class → ``ConditionedTokens`` (Tokens + ``cond``).
 
     Args:
         d_model: token and conditioning width ``D``.
@@ -152,8 +153,8 @@ class DiTTokenizer(nn.Module):
         text_conditional: condition on a pooled caption ``text (B, D)`` (``TextConditionEmbedder``).
 
     ``forward(x_t (B, C, H, W) float, t (B,), labels (B,) long | None, force_drop (B,) bool | None,
-    text (B, D) | None) → (Tokens, cond (B, D))``: ``x`` is the patch embedding plus fixed 2-D sin-cos
-    positions, ``positions (B, N, 2)`` are (row, column); ``cond`` = timestep embedding + label
+    text (B, D) | None) → ConditionedTokens``: ``x`` is the patch embedding plus fixed 2-D sin-cos
+    positions, ``positions (B, N, 2)`` are (row, column); ``cond (B, D)`` = timestep embedding + label
     embedding + caption embedding (those the model has).
     Raises ``ValueError`` on a wrong image shape or a missing/unexpected label.
     """
@@ -203,7 +204,7 @@ class DiTTokenizer(nn.Module):
         labels: Tensor | None = None,
         force_drop: Tensor | None = None,
         text: Tensor | None = None,
-    ) -> tuple[Tokens, Tensor]:
+    ) -> ConditionedTokens:
         expected = (self.in_chans, self.image_size, self.image_size)
         if x_t.ndim != 4 or tuple(x_t.shape[1:]) != expected:
             raise ValueError(
@@ -235,4 +236,5 @@ class DiTTokenizer(nn.Module):
             torch.arange(Gh, device=x.device), torch.arange(Gw, device=x.device), indexing="ij"
         )
         positions = torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=-1).expand(B, -1, -1)
-        return Tokens.from_embeddings(x, MODALITY_IDS["diffusion"], positions=positions), cond
+        tokens = Tokens.from_embeddings(x, MODALITY_IDS["diffusion"], positions=positions)
+        return ConditionedTokens.of(tokens, cond)

@@ -1,17 +1,22 @@
-"""Callbacks: throughput (samples/s through Lightning's ``Throughput``), unreadable-sample report, text /
-audio / image samples for W&B, and the EMA of the weights."""
+"""Callbacks: throughput (samples/s through Lightning's ``Throughput``), unreadable-sample report, the
+tasks' media (text / audio / image samples) for W&B, and the EMA of the weights."""
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.loggers import WandbLogger
+from torchvision.utils import save_image
 
+from ..models.flops import FlopMeter
+from .media import Audio, Image, Media, MediaContext, sharded
 from .sharded_ema import ShardedEMAWeights, warmed_up_decay
 
 log = logging.getLogger("mmformer")
@@ -22,29 +27,11 @@ def _text_tokens(task_batch: dict) -> int:
     return int(task_batch["text_valid"].sum()) if "text_valid" in task_batch else 0
 
 
-def sharded(pl_module) -> bool:
-    """True under FSDP2: the weights live in shards on every rank, so rank 0 cannot run the model alone."""
-    return getattr(pl_module, "device_mesh", None) is not None
-
-
 def _skip_media(trainer, pl_module) -> bool:
-    """Media callbacks run the model on rank 0 alone, except under FSDP2, where every rank must take
-    part in each block's all-gather: there all ranks run it (same inputs, same seeds, so the same
-    number of forwards) and rank 0 alone writes and logs."""
+    """Media run the model on rank 0 alone, except under FSDP2, where every rank must take part in each
+    block's all-gather: there all ranks run it (same inputs, same seeds, so the same number of forwards)
+    and rank 0 alone writes and logs. None during the sanity check."""
     return trainer.sanity_checking or not (trainer.is_global_zero or sharded(pl_module))
-
-
-def _as_forward(pl_module, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` in evaluation mode without gradients, run through the LightningModule's
-    ``forward`` (under FSDP2 the root unit: tokenizer / head weights are gathered around it); the
-    training mode is restored afterwards."""
-    was_training = pl_module.training
-    pl_module.eval()
-    try:
-        with torch.no_grad():
-            return pl_module(fn, *args, **kwargs)
-    finally:
-        pl_module.train(was_training)
 
 
 class _Rate:
@@ -116,8 +103,6 @@ class ThroughputLogger(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         from lightning.fabric.utilities.throughput import get_available_flops
-
-        from ..models.flops import FlopMeter
 
         self.window = self.window_size or min(20, max(2, trainer.log_every_n_steps))
         self.world = trainer.world_size
@@ -241,147 +226,6 @@ class LastValidationStep(L.Callback):
             self.step = trainer.global_step
 
 
-class TextSamples(L.Callback):
-    """After each validation, continues a few fixed prompts (the first real tokens of the first
-    validation windows, cut at an end of document) with every causal-LM task's model and logs them as
-    a W&B table ``samples/<task>``; greedy, so successive tables show how the model changes."""
-
-    def __init__(self, n_prompts: int = 3, prompt_tokens: int = 8, max_new_tokens: int = 32):
-        self.n_prompts, self.prompt_tokens, self.max_new_tokens = n_prompts, prompt_tokens, max_new_tokens
-        self.last: dict[str, list[tuple[str, str]]] = {}
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if _skip_media(trainer, pl_module):
-            return
-        from lightning.pytorch.loggers import WandbLogger
-
-        from ..models.generate import generate
-        from ..tokenizers.text import TextTokenizer
-
-        for name, task in pl_module.tasks.items():
-            if not hasattr(task, "tokenizer") or type(task).__name__ != "CausalLMTask":
-                continue
-            tok = TextTokenizer.from_json(pl_module.tokenizer_files[task.tokenizer])
-            val = trainer.datamodule.data[name].val
-            prompts = []
-            for i in range(min(self.n_prompts, len(val))):
-                item = val[i]
-                ids = item["text"][item["text_valid"]][: self.prompt_tokens].tolist()
-                ids = ids[: ids.index(tok.eos_id)] if tok.eos_id in ids else ids  # stay inside one document
-                if ids:
-                    prompts.append(ids)
-            if not prompts:
-                continue
-            ids, valid = tok.pad_batch(prompts, side="left")
-            outs = _as_forward(
-                pl_module,
-                generate,
-                pl_module.model,
-                task.tokenizer,
-                task.head,
-                ids.to(pl_module.device),
-                valid.to(pl_module.device),
-                self.max_new_tokens,
-                # under FSDP2 every rank must run the same number of forwards: no early stop at eos
-                None if sharded(pl_module) else tok.eos_id,
-            )
-            if not trainer.is_global_zero:
-                continue
-            outs = [o[: o.index(tok.eos_id)] if tok.eos_id in o else o for o in outs]
-            rows = [(tok.decode(p), tok.decode(o)) for p, o in zip(prompts, outs)]
-            self.last[name] = rows
-            for lg in trainer.loggers:
-                if isinstance(lg, WandbLogger):
-                    lg.log_text(
-                        key=f"samples/{name}",
-                        columns=["prompt", "continuation"],
-                        data=[list(r) for r in rows],
-                        step=trainer.global_step,
-                    )
-
-
-class DecodedSamples(L.Callback):
-    """After each validation, the references and decoded texts a captioning / speech-recognition task
-    kept (its ``examples``: the first validation batch, normalised) as a W&B table ``decoded/<task>``;
-    ``last`` keeps the rows for other loggers."""
-
-    def __init__(self):
-        self.last: dict[str, list[tuple[str, str]]] = {}
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:  # reads the tasks' examples; runs no model
-            return
-        from lightning.pytorch.loggers import WandbLogger
-
-        for name, task in pl_module.tasks.items():
-            rows = list(getattr(task, "examples", None) or [])
-            if not rows:
-                continue
-            self.last[name] = rows
-            for lg in trainer.loggers:
-                if isinstance(lg, WandbLogger):
-                    lg.log_text(
-                        key=f"decoded/{name}",
-                        columns=["reference", "decoded"],
-                        data=[list(r) for r in rows],
-                        step=trainer.global_step,
-                    )
-
-
-class AudioSamples(L.Callback):
-    """After each validation, the first ``n`` validation clips of every audio classification task with
-    their true and predicted classes and the prediction's probability, as a W&B table
-    ``audio/<task>`` (playable ``wandb.Audio`` cells); ``last`` keeps the rows for other loggers."""
-
-    def __init__(self, n: int = 8):
-        self.n = n
-        self.last: dict[str, list[tuple[str, str, str, float]]] = {}
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if _skip_media(trainer, pl_module):
-            return
-        from lightning.pytorch.loggers import WandbLogger
-
-        from ..data.audio import collate_audio
-
-        for name, task in pl_module.tasks.items():
-            if getattr(task, "input_key", None) != "audio" or not hasattr(task, "logits"):
-                continue  # audio classifiers only (a contrastive audio task has no class logits)
-            val = trainer.datamodule.data[name].val
-            classes = getattr(val, "classes", None) or [str(i) for i in range(task.num_classes)]
-            items = [val[i] for i in range(min(self.n, len(val)))]
-            batch = collate_audio(items)
-            logits = _as_forward(
-                pl_module,
-                task.logits,
-                pl_module.model,
-                {k: v.to(pl_module.device) if torch.is_tensor(v) else v for k, v in batch.items()},
-            )
-            if not trainer.is_global_zero:
-                continue
-            prob, pred = logits.float().softmax(-1).max(-1)
-            rows = [
-                (it["path"], classes[it["label"]], classes[int(p)], round(float(q), 3))
-                for it, p, q in zip(items, pred, prob)
-            ]
-            self.last[name] = rows
-            for lg in trainer.loggers:
-                if isinstance(lg, WandbLogger):
-                    import wandb
-
-                    rate = getattr(pl_module.model.tokenizers[task.tokenizer], "sample_rate", 16_000)
-                    data = [
-                        [wandb.Audio(it["audio"].numpy(), sample_rate=rate), *row[1:]]
-                        for it, row in zip(items, rows)
-                    ]
-                    lg.log_table(
-                        f"audio/{name}",
-                        columns=["audio", "label", "prediction", "probability"],
-                        data=data,
-                        step=trainer.global_step,
-                    )
-
-
 class EMAWeights(WeightAveraging):
     """An exponential moving average of the weights (Lightning's ``WeightAveraging``), with the decay
     warmed up as ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates (as diffusers' ``EMAModel`` and
@@ -418,68 +262,58 @@ class EMAWeights(WeightAveraging):
             checkpoint["current_model_state"] = self._raw_state
 
 
-class DiffusionSamples(L.Callback):
-    """After each validation, every diffusion task samples a grid from fixed noise — one row per class
-    (class-conditional) or per validation caption (the first 8; text-conditional), the task's
-    ``samples_per_class`` each, guided with its ``sample_cfg_scale``; ``n`` samples when unconditional —
-    with the validation weights (the EMA weights when ``optim.ema_decay`` is set), saves it as
-    ``<run>/samples/<task>-step<N>.png`` and logs it to W&B as ``samples/<task>`` (captions attached)."""
+@contextmanager
+def _validation_weights(trainer, pl_module):
+    """The model with the weights validation used: Lightning swaps the raw weights back before
+    ``on_validation_end``, so with ``EMAWeights`` the average's copy of the model, and under FSDP2 with
+    ``ShardedEMAWeights`` the model with each rank's averaged shard swapped in around the block."""
+    ema = next((c for c in trainer.callbacks if isinstance(c, EMAWeights)), None)
+    model = ema.average.model if ema is not None and ema.average is not None else pl_module.model
+    shard_ema = next((c for c in trainer.callbacks if isinstance(c, ShardedEMAWeights)), None)
+    with shard_ema.averaged(pl_module) if shard_ema is not None else nullcontext():
+        yield model
 
-    def __init__(self, n: int = 64, seed: int = 0):
-        self.n, self.seed = n, seed
-        self.last: dict[str, str] = {}  # task → PNG path
+
+class MediaSamples(L.Callback):
+    """After each validation, every task's media (its ``media(ctx)`` hook: text samples, decoded texts,
+    audio tables, sample grids), logged to W&B as ``<name>/<task>`` at the global step; an image is also
+    written to the run folder as ``<name>/<task>-step<N>.png``. ``last`` keeps the latest records by
+    key for other loggers. Rank 0 alone calls the hooks, except under FSDP2 (``_skip_media``)."""
+
+    def __init__(self):
+        self.last: dict[str, Media] = {}
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if _skip_media(trainer, pl_module):
             return
-        from pathlib import Path
-
-        from lightning.pytorch.loggers import WandbLogger
-        from torchvision.utils import make_grid, save_image
-
-        from ..data.collate import pad_ids
-        from ..tasks.diffusion import DiffusionTask
-
         for name, task in pl_module.tasks.items():
-            if not isinstance(task, DiffusionTask):
-                continue
-            k = pl_module.model.tokenizers[task.tokenizer].num_classes
-            per_class = task.samples_per_class
-            labels, captions, shown = None, None, []
-            if task.caption_tokenizer is not None:  # the first validation captions, one row each
-                val = trainer.datamodule.data[name].val
-                items = [val[i] for i in range(min(8, len(val)))]
-                shown = [it["caption"] for it in items]
-                captions = pad_ids([it["ids"] for it in items for _ in range(per_class)], pad_id=0)
-            elif k:
-                labels = torch.arange(k).repeat_interleave(per_class)
-            ema = next((c for c in trainer.callbacks if isinstance(c, EMAWeights)), None)
-            # Lightning swaps the raw weights back before on_validation_end: sample from the average
-            model = ema.average.model if ema is not None and ema.average is not None else pl_module.model
-            generator = torch.Generator(pl_module.device).manual_seed(self.seed)
-            conditional = labels is not None or captions is not None
-            # under FSDP2 each rank keeps the average of its shard: swap it in around the sampling
-            shard_ema = next((c for c in trainer.callbacks if isinstance(c, ShardedEMAWeights)), None)
-            with shard_ema.averaged(pl_module) if shard_ema is not None else nullcontext():
-                images = _as_forward(
-                    pl_module,
-                    task.sample,
-                    model,
-                    labels,
-                    n=self.n,
-                    cfg_scale=task.sample_cfg_scale if conditional else 1.0,
-                    steps=task.sample_steps,
-                    generator=generator,
-                    captions=captions,
-                )
-            if not trainer.is_global_zero:
-                continue
-            grid = make_grid((images.float().cpu() + 1) / 2, nrow=per_class if conditional else 8, padding=1)
-            out = Path(trainer.default_root_dir) / "samples" / f"{name}-step{trainer.global_step:06d}.png"
+            ctx = MediaContext(name, trainer, pl_module, lambda: _validation_weights(trainer, pl_module))
+            records = task.media(ctx)
+            if trainer.is_global_zero:
+                for record in records:
+                    self._log(trainer, name, record)
+
+    def _log(self, trainer, task: str, record: Media) -> None:
+        key, step = f"{record.name}/{task}", trainer.global_step
+        self.last[key] = record
+        if isinstance(record, Image):
+            out = Path(trainer.default_root_dir) / record.name / f"{task}-step{step:06d}.png"
             out.parent.mkdir(parents=True, exist_ok=True)
-            save_image(grid, out)
-            self.last[name] = str(out)
-            for lg in trainer.loggers:
-                if isinstance(lg, WandbLogger):
-                    extra = {"caption": [" | ".join(shown)]} if shown else {}  # W&B wants a list or nothing
-                    lg.log_image(key=f"samples/{name}", images=[grid], step=trainer.global_step, **extra)
+            save_image(record.image, out)
+        for lg in trainer.loggers:
+            if not isinstance(lg, WandbLogger):
+                continue
+            if isinstance(record, Image):
+                extra = {"caption": [record.caption]} if record.caption else {}  # W&B: a list or nothing
+                lg.log_image(key=key, images=[record.image], step=step, **extra)
+            else:
+                rows = [[_wandb_cell(c) for c in row] for row in record.rows]
+                lg.log_table(key, columns=record.columns, data=rows, step=step)
+
+
+def _wandb_cell(cell):
+    if isinstance(cell, Audio):
+        import wandb  # ~1 s to import: only when a W&B run logs a clip
+
+        return wandb.Audio(cell.wave.cpu().numpy(), sample_rate=cell.sample_rate)
+    return cell

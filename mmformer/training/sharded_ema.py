@@ -132,13 +132,13 @@ class ShardedEMAWeights(L.Callback):
             current = [_local(t).clone() for t in tensors]
             for r, t in zip(self._raw, tensors):
                 _local(t).copy_(r)
-            checkpoint["current_model_state"] = trainer.strategy.lightning_module_state_dict()
+            checkpoint["current_model_state"] = _owned(trainer.strategy.lightning_module_state_dict())
             for c, t in zip(current, tensors):
                 _local(t).copy_(c)
         else:
-            checkpoint["current_model_state"] = checkpoint["state_dict"]
+            checkpoint["current_model_state"] = _owned(checkpoint["state_dict"])
             self._swap(pl_module)
-            checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
+            checkpoint["state_dict"] = _owned(trainer.strategy.lightning_module_state_dict())
             self._swap(pl_module)
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self.n_averaged, dtype=torch.long)}
 
@@ -154,3 +154,10 @@ class ShardedEMAWeights(L.Callback):
             pl_module, checkpoint["current_model_state"], options=StateDictOptions(full_state_dict=True)
         )
         self.n_averaged = int(checkpoint.get("averaging_state", {}).get("n_averaged", 1))
+
+
+def _owned(state: dict) -> dict:
+    """``state`` with tensors that own their memory: with one process the full state dict holds views of
+    the parameters themselves (no gather copies them), which the swap back to the raw weights would
+    overwrite."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -14,9 +14,9 @@ import torch
 
 from mmformer.build import build_datamodule
 from mmformer.cli import main
-from mmformer.recipe import RecipeError, load_recipe
 from mmformer.data.roots import DataError
 from mmformer.data.shards import read_index
+from mmformer.recipe import RecipeError, load_recipe
 from tests.conftest import make_image_folder
 
 WORDS = ["red", "blue", "round", "square", "small", "big", "dot", "ring"]
@@ -251,7 +251,9 @@ def test_wrong_shards_or_options_for_a_task_are_named(image_captions, tokenizer_
     assert main(["train", str(recipe)]) == 2  # the CLI says so in one line
     captions = workdir / "caption-shards"
     _shard(image_captions, captions, "image_caption")
-    packed = _recipe(workdir, "prefix_lm", f"{{kind: shards, root: {captions}, max_len: 16, pack: true}}", tokenizer_file)
+    packed = _recipe(
+        workdir, "prefix_lm", f"{{kind: shards, root: {captions}, max_len: 16, pack: true}}", tokenizer_file
+    )
     with pytest.raises(RecipeError, match="'tasks.pairs.data.pack' packs text shards"):
         build_datamodule(load_recipe(packed)).setup()
     lm = workdir / "lm.yaml"

@@ -4,6 +4,7 @@ than random batches, a new order each epoch, resumable; trimmed text batches giv
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import soundfile
 import torch
 from torch.utils.data import default_collate
@@ -44,7 +45,7 @@ def test_buckets_cover_the_epoch_with_less_padding_and_a_new_order_each_epoch():
 
 
 def test_trimmed_text_batches_keep_the_loss():
-    from mmformer.models import build_backbone
+    from mmformer.models import AttentionConfig, PositionConfig, build_backbone
     from mmformer.models.heads import LMHead
     from mmformer.models.model import MultimodalModel
     from mmformer.tasks.language_model import CausalLMTask
@@ -53,7 +54,7 @@ def test_trimmed_text_batches_keep_the_loss():
     torch.manual_seed(0)
     model = MultimodalModel(
         {"text": TextEmbedding(50, 32)},
-        build_backbone(32, 2, 4, causal=True, positions="rope"),
+        build_backbone(32, 2, AttentionConfig(4), positions=PositionConfig("rope"), causal=True),
         {"lm": LMHead(32, 50)},
     ).eval()
     samples = []
@@ -76,6 +77,7 @@ def test_clip_durations_come_from_the_header(tmp_path):
     assert clip_milliseconds(tmp_path / "bad.wav") == 0
 
 
+@pytest.mark.slow
 def test_a_bucketed_language_model_trains_and_resumes_through_the_cli(workdir, capsys):
     from mmformer.cli import main
     from tests.training.test_distributed_equivalence import LM, _corpus

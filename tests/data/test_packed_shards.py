@@ -176,6 +176,7 @@ def test_a_resumed_epoch_continues_with_the_windows_not_yet_trained(corpus, work
         assert rest == whole[done * BATCH :]
 
 
+@pytest.mark.slow
 def test_a_packed_causal_lm_trains_from_shards_through_the_cli(corpus, capsys):
     workdir, tok, out = corpus
     recipe = workdir / "lm.yaml"

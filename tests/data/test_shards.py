@@ -112,6 +112,7 @@ def test_shards_decode_like_the_folder_and_train_through_the_cli(image_shards, w
         )
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_train_from_shards(image_shards, workdir):
     folder, out = image_shards
     recipe = workdir / "tiny.yaml"

@@ -66,6 +66,7 @@ def speech(asterisk, tmp_path_factory):
     return asterisk[0], out
 
 
+@pytest.mark.slow
 def test_asterisk_speech_pairs_follow_the_split_and_render_only_train_transcripts(speech):
     en, out = speech
     en_split = {r["label"]: split for split in ("train", "test") for r in _rows(en / f"{split}.jsonl")}
@@ -84,6 +85,7 @@ def test_asterisk_speech_pairs_follow_the_split_and_render_only_train_transcript
     assert seven["text"].lower().rstrip(".") == "seven"
 
 
+@pytest.mark.slow
 def test_audio_caption_batches_pair_each_clip_with_its_transcript(speech):
     from types import SimpleNamespace
 
@@ -117,6 +119,7 @@ def test_audio_caption_batches_pair_each_clip_with_its_transcript(speech):
         assert tok.decode(ids, skip_special=True).strip() == rows[i]["text"] or len(ids) == 16
 
 
+@pytest.mark.slow
 def test_asterisk_en_split(asterisk):
     en, _ = asterisk
     train, test = _rows(en / "train.jsonl"), _rows(en / "test.jsonl")
@@ -129,6 +132,7 @@ def test_asterisk_en_split(asterisk):
         assert asterisk_split(r["label"]) == "train" and Path(r["audio"]).is_file()
 
 
+@pytest.mark.slow
 def test_asterisk_prompts_keep_test_prompts_out_of_training(asterisk):
     en, prompts = asterisk
     train, test = _rows(prompts / "train.jsonl"), _rows(prompts / "test.jsonl")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mmformer.models import build_backbone
+from mmformer.models import AttentionConfig, BlockConfig, build_backbone
 from mmformer.models.heads import DiTFinalLayer
 from mmformer.models.model import MultimodalModel
+from mmformer.nn.tokens import ConditionedTokens
 from mmformer.tokenizers.diffusion import LabelEmbedder, TimestepEmbedder, sincos_pos_embed_2d
 
 
@@ -80,10 +81,11 @@ def test_dit_starts_as_identity_blocks_and_predicts_zero():
     from mmformer.tokenizers.diffusion import DiTTokenizer
 
     tok = DiTTokenizer(32, image_size=8, patch_size=2, in_chans=1, num_classes=3)
-    backbone = build_backbone(32, 3, 4, block="adaln", final_norm=False)
+    backbone = build_backbone(32, 3, AttentionConfig(4), block=BlockConfig("adaln"), final_norm=False)
     model = MultimodalModel({"x": tok}, backbone, {"eps": DiTFinalLayer(32, 2, (4, 4), 1)})
     x = torch.randn(2, 1, 8, 8)
-    tokens, cond = tok(x, torch.tensor([5, 900]), torch.tensor([0, 2]))
-    torch.testing.assert_close(backbone(tokens, cond=cond), tokens.x)  # every block is the identity
+    tokens = tok(x, torch.tensor([5, 900]), torch.tensor([0, 2]))
+    assert isinstance(tokens, ConditionedTokens) and tokens.cond.shape == (2, 32)
+    torch.testing.assert_close(backbone(tokens, cond=tokens.cond), tokens.x)  # every block is the identity
     out = model(x, "x", "eps", t=torch.tensor([5, 900]), labels=torch.tensor([0, 2]))
     assert out.shape == (2, 1, 8, 8) and torch.equal(out, torch.zeros_like(out))

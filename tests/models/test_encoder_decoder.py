@@ -5,7 +5,7 @@ decoding equals one source at a time (greedy and beam search)."""
 import pytest
 import torch
 
-from mmformer.models import build_backbone
+from mmformer.models import AttentionConfig, BlockConfig, build_backbone
 from mmformer.models.encoder_decoder import EncoderDecoder
 from mmformer.models.heads import LMHead
 from mmformer.models.model import MultimodalModel
@@ -18,8 +18,9 @@ PARTS = EncoderDecoder("source", "text", "lm")
 
 def _model(seed: int = 0, **decoder) -> MultimodalModel:
     torch.manual_seed(seed)
-    encoder = build_backbone(D_ENC, 2, 4)
-    dec = build_backbone(D, 3, 4, block="cross", causal=True, d_context=D_ENC, **decoder)
+    encoder = build_backbone(D_ENC, 2, AttentionConfig(4))
+    cross = BlockConfig("cross", d_context=D_ENC)
+    dec = build_backbone(D, 3, AttentionConfig(4), block=cross, causal=True, **decoder)
     text = TextEmbedding(V, D, max_len=64)
     lm = LMHead(D, V)
     lm.tie_to(text.embed)
@@ -161,6 +162,6 @@ def test_generate_needs_an_encoder_tower_and_a_cross_attention_decoder():
     src, _ = _sources()
     with pytest.raises(ValueError, match="model.towers has no 'text'"):
         EncoderDecoder("text", "text", "lm").generate(model, src, 1, None, 3)
-    model.backbone = build_backbone(D, 1, 4, causal=True)
+    model.backbone = build_backbone(D, 1, AttentionConfig(4), causal=True)
     with pytest.raises(ValueError, match="cross-attention"):
         PARTS.generate(model, src, 1, None, 3)

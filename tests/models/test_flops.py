@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmformer.models import build_backbone, count_flops
+from mmformer.models import (
+    AttentionConfig,
+    BlockConfig,
+    MlpConfig,
+    PositionConfig,
+    build_backbone,
+    count_flops,
+)
 from mmformer.models.flops import FlopMeter, analytic_flops
 from mmformer.models.heads import ClassifierHead, DiTFinalLayer, LMHead
 from mmformer.models.model import MultimodalModel
@@ -19,7 +26,7 @@ def _vit():
     return (
         MultimodalModel(
             {"image": ViTPatchTokenizer(48, 32, 8, 3)},
-            build_backbone(48, 2, 4),
+            build_backbone(48, 2, AttentionConfig(4)),
             {"cls": ClassifierHead(48, 5, pool="cls")},
         ),
         torch.randn(3, 3, 32, 32),
@@ -31,7 +38,13 @@ def _vit():
 def _llama():
     emb = TextEmbedding(97, 64)
     backbone = build_backbone(
-        64, 2, 4, n_kv_heads=2, causal=True, positions="rope", norm="rmsnorm", act="swiglu", qkv_bias=False
+        64,
+        2,
+        AttentionConfig(4, n_kv_heads=2, qkv_bias=False),
+        mlp=MlpConfig(act="swiglu"),
+        positions=PositionConfig("rope"),
+        norm="rmsnorm",
+        causal=True,
     )
     return (
         MultimodalModel({"text": emb}, backbone, {"lm": LMHead(64, 97)}),
@@ -45,7 +58,7 @@ def _dit():
     tok = DiTTokenizer(32, image_size=8, patch_size=2, in_chans=1, num_classes=3)
     model = MultimodalModel(
         {"x": tok},
-        build_backbone(32, 2, 4, block="adaln", final_norm=False),
+        build_backbone(32, 2, AttentionConfig(4), block=BlockConfig("adaln"), final_norm=False),
         {"eps": DiTFinalLayer(32, 2, (4, 4), 1)},
     )
     return model, tok.example_input(2), "x", "eps"
@@ -53,7 +66,13 @@ def _dit():
 
 def _conformer():
     emb = TextEmbedding(97, 32)
-    backbone = build_backbone(32, 2, 4, block="conformer", conv_kernel=5, positions="rope")
+    backbone = build_backbone(
+        32,
+        2,
+        AttentionConfig(4),
+        positions=PositionConfig("rope"),
+        block=BlockConfig("conformer", conv_kernel=5),
+    )
     return (
         MultimodalModel({"text": emb}, backbone, {"lm": LMHead(32, 97)}),
         torch.randint(0, 97, (2, 9)),

@@ -5,18 +5,18 @@ import pytest
 import torch
 from torch import nn
 
-from mmformer.models import build_backbone
+from mmformer.models import AttentionConfig, LongContextConfig, MlpConfig, PositionConfig, build_backbone
 from mmformer.nn import KVCache, Tokens
 
 V, D = 50, 32
 
 
 class TinyLM(nn.Module):
-    def __init__(self, **backbone):
+    def __init__(self, attention: AttentionConfig | None = None, **backbone):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(V, D)
-        self.backbone = build_backbone(D, 3, 4, causal=True, **backbone)
+        self.backbone = build_backbone(D, 3, attention or AttentionConfig(4), causal=True, **backbone)
         self.head = nn.Linear(D, V)
 
     def forward(self, ids, valid, positions=None, cache=None):
@@ -66,9 +66,14 @@ def _greedy_cached(model, ids, valid, steps, chunks):
 @pytest.mark.parametrize(
     "variant",
     [
-        dict(norm="rmsnorm", act="swiglu", positions="rope", n_kv_heads=2, qkv_bias=False, mlp_bias=False),
-        dict(positions="alibi"),
-        dict(positions="none", window=4),
+        dict(
+            attention=AttentionConfig(4, n_kv_heads=2, qkv_bias=False),
+            norm="rmsnorm",
+            mlp=MlpConfig(act="swiglu", bias=False),
+            positions=PositionConfig("rope"),
+        ),
+        dict(positions=PositionConfig("alibi")),
+        dict(long_context=LongContextConfig(window=4)),
     ],
     ids=["llama", "alibi", "window"],
 )
@@ -83,7 +88,7 @@ def test_cached_decoding_equals_full_recomputation(variant, chunks):
 
 
 def test_left_padding_changes_nothing_for_real_tokens():
-    model = TinyLM(norm="rmsnorm", act="swiglu", positions="rope").eval()
+    model = TinyLM(norm="rmsnorm", mlp=MlpConfig(act="swiglu"), positions=PositionConfig("rope")).eval()
     ids, valid = _prompts()
     with torch.no_grad():
         batched = model(ids, valid)
@@ -96,7 +101,10 @@ def test_left_padding_changes_nothing_for_real_tokens():
 def test_a_span_split_across_prefill_chunks_is_refused():
     from mmformer.nn import MODALITY_IDS
 
-    backbone = build_backbone(D, 1, 4, causal=True, bidirectional_modalities=(MODALITY_IDS["image"],)).eval()
+    image_spans = (MODALITY_IDS["image"],)
+    backbone = build_backbone(
+        D, 1, AttentionConfig(4), causal=True, bidirectional_modalities=image_spans
+    ).eval()
     x = torch.randn(1, 6, D)
     image = Tokens.from_embeddings(x, MODALITY_IDS["image"])
     cache = KVCache()
@@ -111,7 +119,12 @@ def test_prefix_in_one_chunk_then_cached_decoding_equals_full_forward():
     from mmformer.nn import MODALITY_IDS, cat_tokens
 
     backbone = build_backbone(
-        D, 2, 4, causal=True, positions="rope", bidirectional_modalities=(MODALITY_IDS["image"],)
+        D,
+        2,
+        AttentionConfig(4),
+        positions=PositionConfig("rope"),
+        causal=True,
+        bidirectional_modalities=(MODALITY_IDS["image"],),
     ).eval()
     img, txt = torch.randn(1, 4, D), torch.randn(1, 3, D)
     image = Tokens.from_embeddings(img, MODALITY_IDS["image"])

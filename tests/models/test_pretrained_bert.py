@@ -32,6 +32,7 @@ def _batch(tok, texts):
     return tok.pad_batch(tok.encode_batch(texts, bos=True, eos=True))
 
 
+@pytest.mark.slow
 def test_wordpiece_ids_match_transformers(minilm):
     p, _, ref_tok = minilm
     ids, valid = _batch(p.tokenizer, TEXTS)
@@ -51,6 +52,7 @@ def test_hidden_states_match_bert_model(minilm):
     assert ((hidden - want).abs() * valid[..., None]).max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_sentence_embedding_matches_mean_pool_l2(minilm):
     p, ref, _ = minilm
     ids, valid = _batch(p.tokenizer, TEXTS)
@@ -64,6 +66,7 @@ def test_sentence_embedding_matches_mean_pool_l2(minilm):
     assert sim[1, 2] > sim[1, 0] + 0.3  # two sentences about a cat on a mat are the nearest pair
 
 
+@pytest.mark.slow
 def test_padding_changes_nothing(minilm):
     p, _, _ = minilm
     ids, valid = _batch(p.tokenizer, TEXTS)

@@ -1,5 +1,6 @@
 """Real SmolLM2-135M-Instruct (GGUF, Q4_1) imported into mmformer equals transformers'
-``LlamaForCausalLM`` loaded from the same file; HF Llama directories import and export losslessly."""
+``LlamaForCausalLM`` loaded from the same file (slow tier: the file takes ~40 s to load); so does a tiny
+random Llama written here as a GGUF file (fast tier); HF Llama directories import and export losslessly."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import transformers
 from mmformer.models.generate import generate  # noqa: E402
 from mmformer.models.pretrained import load_pretrained, resolve_pretrained  # noqa: E402
 from mmformer.models.pretrained.llama import build_llama, load_hf_llama, save_hf_llama  # noqa: E402
+from tests.conftest import TINY_LLAMA
 
 PROMPT = "In the beginning God created the heaven and the earth. And the earth was without form, and void"
 TEXTS = [
@@ -41,6 +43,7 @@ def reference():
     return tok, model.eval()
 
 
+@pytest.mark.slow
 def test_gguf_tokenizer_matches_transformers(ours, reference):
     ref_tok, _ = reference
     for text in TEXTS:
@@ -51,6 +54,7 @@ def test_gguf_tokenizer_matches_transformers(ours, reference):
     assert ours.tokenizer.pad_id != ours.tokenizer.eos_id  # the file sets pad = eos; ours never is
 
 
+@pytest.mark.slow
 def test_chat_template_matches_transformers(ours, reference):
     ref_tok, _ = reference
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -60,6 +64,7 @@ def test_chat_template_matches_transformers(ours, reference):
         )
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_transformers(ours, reference):
     _, ref = reference
     ids = torch.tensor([ours.tokenizer.encode(PROMPT)])
@@ -70,6 +75,7 @@ def test_smollm2_logits_match_transformers(ours, reference):
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_continuation_matches_transformers(ours, reference):
     _, ref = reference
     tok = ours.tokenizer
@@ -84,6 +90,7 @@ def test_smollm2_greedy_continuation_matches_transformers(ours, reference):
     assert "Paris" in tok.decode(got)
 
 
+@pytest.mark.slow
 def test_batched_left_padded_generation_equals_one_at_a_time(ours):
     tok = ours.tokenizer
     prompts = [PROMPT, "The capital of France is"]
@@ -95,6 +102,7 @@ def test_batched_left_padded_generation_equals_one_at_a_time(ours):
         assert generate(ours.model, "text", "lm", one, torch.ones_like(one, dtype=torch.bool), 8)[0] == b
 
 
+@pytest.mark.slow
 def test_smollm2_exports_to_a_directory_transformers_loads(ours, tmp_path):
     save_hf_llama(ours.model, ours.config, tmp_path, ours.tokenizer)
     ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -116,15 +124,7 @@ def test_smollm2_exports_to_a_directory_transformers_loads(ours, tmp_path):
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_llama_directory_round_trip(tmp_path, tied):
     cfg = transformers.LlamaConfig(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_theta=500_000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tied,
+        **{**TINY_LLAMA, "vocab_size": 101, "rope_theta": 500_000.0, "tie_word_embeddings": tied}
     )
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg).eval()
@@ -140,6 +140,103 @@ def test_hf_llama_directory_round_trip(tmp_path, tied):
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, want, rtol=0, atol=1e-6)
     assert back.config.tie_word_embeddings == tied
+
+
+# llama.cpp's tensor names for HF Llama's (convert_hf_to_gguf.py), and its q / k row order for RoPE
+GGUF_PARTS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _llama_cpp_permute(w, n_heads):
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, ref, config, tokens, types, merges):
+    """``ref`` (an HF ``LlamaForCausalLM``) as llama.cpp's converter writes it: float32 tensors, ``llama.*``
+    sizes and a byte-level BPE vocabulary in ``tokenizer.ggml.*``."""
+    gguf = pytest.importorskip("gguf")
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    for name, t in ref.state_dict().items():
+        if name == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if config["tie_word_embeddings"]:
+                continue  # a tied model has no output.weight
+            name = "output.weight"
+        else:
+            _, _, i, *part, kind = name.split(".")
+            part = ".".join(part)
+            if part in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = config["num_attention_heads" if part.endswith("q_proj") else "num_key_value_heads"]
+                t = _llama_cpp_permute(t, heads)
+            name = f"blk.{i}.{GGUF_PARTS[part]}.{kind}"
+        w.add_tensor(name, t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_gguf_file_loads_like_transformers(tmp_path, tied):
+    """The GGUF path (``read_gguf``, ``gguf_config``, q / k un-permuting, ``tokenizer_from_gguf``) on a
+    tiny random Llama, against transformers reading the same file: same ids, same logits."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = sorted(ByteLevel.alphabet()) + [m.replace(" ", "") for m in merges] + specials
+    types = [1] * (len(tokens) - len(specials)) + [3] * len(specials)  # 3: control tokens
+    config = {**TINY_LLAMA, "vocab_size": len(tokens), "tie_word_embeddings": tied}
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    _write_gguf(tmp_path / "tiny.gguf", ref, config, tokens, types, merges)
+
+    ours = load_pretrained(tmp_path / "tiny.gguf")
+    ref_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    text = "the other 12 in there<|im_end|> and é 🙂"
+    ids = ours.tokenizer.encode(text)
+    assert ids == ref_tok(text, add_special_tokens=False).input_ids and ours.tokenizer.decode(ids) == text
+    assert ids[:2] == [tokens.index("t"), tokens.index("he")] and tokens.index("<|im_end|>") in ids
+    assert (ours.tokenizer.bos_id, ours.tokenizer.eos_id) == (ref_tok.bos_token_id, ref_tok.eos_token_id)
+    assert ours.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], False) == (
+        "<|im_start|>hi<|im_end|>"
+    )
+    assert ours.config["tie_word_embeddings"] == tied and ours.config["rope_theta"] == config["rope_theta"]
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want = ref(x).logits
+        torch.testing.assert_close(hf.eval()(x).logits, want, rtol=0, atol=1e-6)  # the file is right
+        torch.testing.assert_close(ours.model.eval()(x, "text", "lm"), want, rtol=0, atol=1e-5)
 
 
 def test_unsupported_llama_options_are_refused():

@@ -45,6 +45,7 @@ def _faster_whisper_features():
     return module.FeatureExtractor(feature_size=80)
 
 
+@pytest.mark.slow
 def test_log_mel_matches_faster_whisper(whisper, thirty_seconds):
     _, p = whisper
     want = _faster_whisper_features()(thirty_seconds[0].numpy(), padding=0)  # (80, 3000)
@@ -63,6 +64,7 @@ def test_log_mel_matches_faster_whisper_when_the_clip_starts_loud(whisper):
     assert np.abs(got[0].numpy() - want).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_encoder_matches_ctranslate2(whisper, thirty_seconds):
     import ctranslate2
 
@@ -111,6 +113,7 @@ def test_full_model_parts_and_decoding_rules(whisper_full):
     assert len(config["suppress_ids"]) == 90
 
 
+@pytest.mark.slow
 def test_transcripts_equal_ctranslate2(whisper_full):
     """Greedy decoding of real recordings gives CTranslate2's token ids exactly (faster-whisper's engine,
     its default suppression rules: ``suppress_tokens=[-1]``, ``suppress_blank=True``)."""

@@ -4,9 +4,10 @@ state dict is mapped onto it by prefixes alone — the names and the math are ti
 import pytest
 import torch
 
-from mmformer.models import ClassifierHead, MultimodalModel, build_backbone
+from mmformer.models import AttentionConfig, ClassifierHead, MultimodalModel, build_backbone
 from mmformer.models.pretrained.timm_vit import timm_to_mmformer
 from mmformer.tokenizers import ViTPatchTokenizer
+from tests.conftest import TINY_VIT
 
 
 @pytest.mark.parametrize("pool", ["token", "avg"])
@@ -15,22 +16,13 @@ def test_vit_matches_timm(pool):
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
-    ref = VisionTransformer(
-        img_size=32,
-        patch_size=8,
-        in_chans=3,
-        num_classes=5,
-        embed_dim=48,
-        depth=2,
-        num_heads=3,
-        global_pool=pool,
-    ).eval()
+    ref = VisionTransformer(**TINY_VIT, in_chans=3, num_classes=5, global_pool=pool).eval()
     for p in ref.parameters():  # timm zero-inits nothing we would miss: randomise everything
         torch.nn.init.normal_(p, std=0.05)
     avg = pool == "avg"
     ours = MultimodalModel(
         {"image": ViTPatchTokenizer(48, 32, 8, 3)},
-        build_backbone(48, 2, 3, final_norm=not avg),
+        build_backbone(48, 2, AttentionConfig(3), final_norm=not avg),
         {"cls": ClassifierHead(48, 5, pool="mean" if avg else "cls", fc_norm=avg)},
     ).eval()
     missing, unexpected = ours.load_state_dict(timm_to_mmformer(ref.state_dict()), strict=True)

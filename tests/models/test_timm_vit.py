@@ -7,11 +7,19 @@ import torch
 
 timm = pytest.importorskip("timm")
 
-from mmformer.models import ClassifierHead, MultimodalModel, build_backbone  # noqa: E402
-from mmformer.models.pretrained.timm_vit import load_timm_vit, save_timm_vit, vit_config  # noqa: E402
+from mmformer.models import (  # noqa: E402
+    AttentionConfig,
+    BlockConfig,
+    ClassifierHead,
+    MlpConfig,
+    MultimodalModel,
+    PositionConfig,
+    build_backbone,
+)
+from mmformer.models.pretrained.timm_export import save_timm_vit, vit_config  # noqa: E402
+from mmformer.models.pretrained.timm_vit import load_timm_vit  # noqa: E402
 from mmformer.tokenizers import ViTPatchTokenizer  # noqa: E402
-
-SMALL = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3)
+from tests.conftest import TINY_VIT, save_timm_dir  # noqa: E402
 
 
 def _randomise(model, seed=0):
@@ -23,16 +31,9 @@ def _randomise(model, seed=0):
 
 def _timm_dir(tmp_path, name="vit", **model_args):
     """A checkpoint directory written by timm's own HF exporter (config.json) and safetensors."""
-    from safetensors.torch import save_file
-    from timm.models._hub import save_config_for_hf
-
-    args = {**SMALL, **model_args}
+    args = {**TINY_VIT, **model_args}
     ref = _randomise(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, **args))
-    out = tmp_path / name
-    out.mkdir()
-    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(out / "model.safetensors"))
-    save_config_for_hf(ref, str(out / "config.json"), model_args=args)
-    return ref, out
+    return ref, save_timm_dir(ref, tmp_path / name, args)
 
 
 def _pixels(h=32, w=32, c=3, n=3):
@@ -113,7 +114,7 @@ def test_export_to_timm_layout_loads_in_timm(tmp_path, pool):
     avg = pool == "mean"
     ours = MultimodalModel(
         {"image": ViTPatchTokenizer(48, (32, 24), 8, 1, mean=(0.5,), std=(0.25,))},
-        build_backbone(48, 2, 3, final_norm=not avg),
+        build_backbone(48, 2, AttentionConfig(3), final_norm=not avg),
         {"cls": ClassifierHead(48, 6, pool=pool, fc_norm=avg)},
     )
     _randomise(ours)
@@ -175,17 +176,22 @@ def test_weights_of_parts_mmformer_lacks_are_refused_not_dropped(tmp_path):
 
 
 def test_export_refuses_what_timm_cannot_express(tmp_path):
-    for kwargs, message in (({"block": "post"}, "pre-norm Block"), ({"positions": "rope"}, "positions")):
+    refused = (
+        ({"block": BlockConfig("post")}, "pre-norm Block"),
+        ({"positions": PositionConfig("rope")}, "positions"),
+    )
+    for kwargs, message in refused:
         model = MultimodalModel(
             {"image": ViTPatchTokenizer(48, 32, 8, 3)},
-            build_backbone(48, 2, 3, **kwargs),
+            build_backbone(48, 2, AttentionConfig(3), **kwargs),
             {"cls": ClassifierHead(48, 2)},
         )
         with pytest.raises(ValueError, match=message):
             vit_config(model)
     model = MultimodalModel(
         {"image": ViTPatchTokenizer(48, 32, 8, 3)},
-        build_backbone(48, 2, 3, mlp_hidden=115),  # 115 / 48 is not exact in floating point
+        # 115 / 48 is not exact in floating point
+        build_backbone(48, 2, AttentionConfig(3), mlp=MlpConfig(hidden=115)),
         {"cls": ClassifierHead(48, 2)},
     )
     _randomise(model)

@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from mmformer.cli import main
-from mmformer.recipe import RecipeError, recipe_from_yaml
 from mmformer.data.roots import DataError
+from mmformer.recipe import RecipeError, recipe_from_yaml
 from tests.conftest import make_image_folder
 
 JOINT = """\
@@ -120,6 +120,7 @@ def test_a_validation_sample_in_another_tasks_training_data_is_refused(joint, wo
     build_datamodule(recipe_from_yaml(text, ["multitask.check_leaks=false"]))  # when intended
 
 
+@pytest.mark.slow
 def test_ddp_ranks_training_different_tasks_neither_fail_nor_hang(joint, workdir):
     # Every step each rank draws its own task: one rank's step has no image, the other's no text.
     # DDP must be told about the unused parameters (find_unused_parameters), or it raises or hangs.
@@ -190,6 +191,7 @@ def _ddp_worker(rank, joint_text, init_file, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_with_different_tasks_per_rank_averages_like_one_process(joint, tmp_path):
     text = joint.read_text()
     mp.spawn(_ddp_worker, args=(text, str(tmp_path / "init"), str(tmp_path / "g")), nprocs=2, join=True)

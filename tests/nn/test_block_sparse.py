@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mmformer.models import build_backbone
+from mmformer.models import AttentionConfig, BigBirdConfig, LongContextConfig, PositionConfig, build_backbone
 from mmformer.nn.attention import Attention, AttentionInputs
 from mmformer.nn.masks import MaskSpec, bigbird_layout
 from mmformer.nn.tokens import Tokens
@@ -48,7 +48,14 @@ def test_a_bigbird_backbone_trains_and_decodes_like_recomputation():
     from mmformer.tokenizers import TextEmbedding
 
     torch.manual_seed(0)
-    backbone = build_backbone(32, 2, 4, causal=True, positions="rope", bigbird_block=4, bigbird_random=1)
+    backbone = build_backbone(
+        32,
+        2,
+        AttentionConfig(4),
+        positions=PositionConfig("rope"),
+        long_context=LongContextConfig(bigbird=BigBirdConfig(block=4, random_blocks=1)),
+        causal=True,
+    )
     model = MultimodalModel({"text": TextEmbedding(50, 32)}, backbone, {"lm": LMHead(32, 50)}).eval()
     ids = torch.randint(0, 50, (1, 24))
     with torch.no_grad():
@@ -59,5 +66,8 @@ def test_a_bigbird_backbone_trains_and_decodes_like_recomputation():
     torch.testing.assert_close(nxt[:, -1], full[:, 20], rtol=1e-4, atol=1e-4)
     model.train()
     model(ids, "text", "lm").square().mean().backward()
-    out = build_backbone(32, 1, 4, bigbird_block=4)(Tokens.from_embeddings(torch.randn(1, 10, 32), 0))
+    encoder = build_backbone(
+        32, 1, AttentionConfig(4), long_context=LongContextConfig(bigbird=BigBirdConfig(4))
+    )
+    out = encoder(Tokens.from_embeddings(torch.randn(1, 10, 32), 0))
     assert out.shape == (1, 10, 32)

@@ -5,7 +5,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmformer.models import build_backbone
+from mmformer.models import (
+    AttentionConfig,
+    BlockConfig,
+    LongContextConfig,
+    MlpConfig,
+    PositionConfig,
+    build_backbone,
+)
 from mmformer.models.presets import PRESETS
 from mmformer.nn import (
     AdaLNBlock,
@@ -79,24 +86,23 @@ def test_layer_scale_and_drop_path():
     assert 0 < changed.sum() < 64  # some samples dropped the branch, some kept it
 
 
-FAMILIES = {
+FAMILIES = {  # build_backbone's settings beyond the size; "attention" beyond n_heads
     "vit": dict(),
-    "gpt2": dict(causal=True, act="gelu_tanh"),
+    "gpt2": dict(causal=True, mlp=MlpConfig(act="gelu_tanh")),
     "llama": dict(
+        attention=dict(n_kv_heads=1, qkv_bias=False, qk_norm=True),
         causal=True,
         norm="rmsnorm",
-        act="swiglu",
-        positions="rope",
-        n_kv_heads=1,
-        qkv_bias=False,
-        mlp_bias=False,
-        qk_norm=True,
+        mlp=MlpConfig(act="swiglu", bias=False),
+        positions=PositionConfig("rope"),
     ),
-    "bert": dict(block="post", norm_eps=1e-12),
-    "decoder": dict(causal=True, block="cross"),
-    "dit": dict(block="adaln", d_cond=12),
-    "vit_rope2d": dict(positions="rope", rope_axes=2, layer_scale=1e-5, drop_path=0.1),
-    "alibi": dict(causal=True, positions="alibi", window=3),
+    "bert": dict(block=BlockConfig("post"), norm_eps=1e-12),
+    "decoder": dict(causal=True, block=BlockConfig("cross")),
+    "dit": dict(block=BlockConfig("adaln", d_cond=12)),
+    "vit_rope2d": dict(
+        positions=PositionConfig("rope", rope_axes=2), block=BlockConfig(layer_scale=1e-5, drop_path=0.1)
+    ),
+    "alibi": dict(causal=True, positions=PositionConfig("alibi"), long_context=LongContextConfig(window=3)),
 }
 
 
@@ -104,7 +110,9 @@ FAMILIES = {
 def test_every_family_runs_forward_backward_without_nan(family):
     torch.manual_seed(0)
     size = PRESETS["debug"]
-    backbone = build_backbone(**size, **FAMILIES[family])
+    settings = dict(FAMILIES[family])
+    attention = AttentionConfig(size["n_heads"], **settings.pop("attention", {}))
+    backbone = build_backbone(size["d_model"], size["n_layers"], attention, **settings)
     B, N = 2, 6
     valid = torch.ones(B, N, dtype=torch.bool)
     valid[1, 4:] = False
@@ -132,7 +140,15 @@ def test_presets_have_standard_shapes(name):
 
 def test_rope_model_in_bf16_matches_float32_at_positions_in_the_thousands():
     torch.manual_seed(0)
-    model = build_backbone(64, 2, 2, causal=True, positions="rope", norm="rmsnorm", act="swiglu").eval()
+    model = build_backbone(
+        64,
+        2,
+        AttentionConfig(2),
+        mlp=MlpConfig(act="swiglu"),
+        positions=PositionConfig("rope"),
+        norm="rmsnorm",
+        causal=True,
+    ).eval()
     x = torch.randn(1, 16, 64)
     pos = (4080 + torch.arange(16)).view(1, 16, 1)
     with torch.no_grad():
@@ -143,7 +159,7 @@ def test_rope_model_in_bf16_matches_float32_at_positions_in_the_thousands():
 
 def test_decoder_backbone_never_reads_padded_context():
     torch.manual_seed(0)
-    backbone = build_backbone(D, 2, 2, causal=True, block="cross").eval()
+    backbone = build_backbone(D, 2, AttentionConfig(2), block=BlockConfig("cross"), causal=True).eval()
     x = Tokens.from_embeddings(torch.randn(2, 4, D), 0)
     ctx_x = torch.randn(2, 5, D)
     valid = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torchaudio.models.conformer import ConformerLayer
 
-from mmformer.models import build_backbone
+from mmformer.models import AttentionConfig, BlockConfig, PositionConfig, build_backbone
 from mmformer.nn.attention import Attention, AttentionInputs
 from mmformer.nn.conformer import ConformerBlock
 from mmformer.nn.masks import MaskSpec
@@ -62,10 +62,16 @@ def test_padding_changes_nothing():
 
 
 def test_a_conformer_backbone_builds_and_trains_a_step():
-    backbone = build_backbone(32, 2, 4, block="conformer", conv_kernel=5, positions="rope")
+    backbone = build_backbone(
+        32,
+        2,
+        AttentionConfig(4),
+        positions=PositionConfig("rope"),
+        block=BlockConfig("conformer", conv_kernel=5),
+    )
     x = torch.randn(2, 12, 32, requires_grad=True)
     out = backbone(Tokens.from_embeddings(x, modality=2))
     out.square().mean().backward()
     assert out.shape == (2, 12, 32) and x.grad is not None
     with pytest.raises(ValueError, match="odd"):
-        build_backbone(32, 1, 4, block="conformer", conv_kernel=4)
+        build_backbone(32, 1, AttentionConfig(4), block=BlockConfig("conformer", conv_kernel=4))

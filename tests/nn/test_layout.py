@@ -5,23 +5,12 @@ import torch
 
 from mmformer.models.generate import generate
 from mmformer.models.pretrained.llama import build_llama
-
-CONFIG = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=10_000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
+from tests.conftest import TINY_LLAMA
 
 
 def _model():
     torch.manual_seed(0)
-    model = build_llama(CONFIG)
+    model = build_llama(TINY_LLAMA)
     for p in model.parameters():  # an untrained model's logits are nearly flat: make argmaxes decisive
         p.data.normal_(0, 0.3)
     return model

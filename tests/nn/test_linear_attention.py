@@ -16,7 +16,7 @@ def _qkv(seed=0, n=24, d=16):
     return [torch.randn(2, 2, n, d, generator=g) * 0.7 for _ in range(3)]
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_converges_to_softmax_attention_as_features_grow(causal):
     q, k, v = _qkv()
     mask = torch.ones(24, 24, dtype=torch.bool).tril() if causal else None
@@ -50,8 +50,7 @@ def test_padding_is_never_read_and_causal_equals_each_prefix():
 
 def test_the_attention_kernel_option():
     torch.manual_seed(0)
-    attn = Attention(32, 2, kernel="performer")
-    attn.n_features = 8192
+    attn = Attention(32, 2, kernel="performer", performer_features=8192)
     x = torch.randn(2, 10, 32) * 0.5
     inputs = AttentionInputs(mask=MaskSpec(causal=True))
     approx = attn(x, inputs)

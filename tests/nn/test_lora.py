@@ -6,16 +6,7 @@ from torch import nn
 
 from mmformer.models.pretrained.llama import build_llama
 from mmformer.nn.lora import LoRALinear, apply_lora, merge_lora
-
-LLAMA = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=48,
-    vocab_size=50,
-    tie_word_embeddings=True,
-)
+from tests.conftest import TINY_LLAMA
 
 
 def test_lora_linear_is_base_plus_scaled_low_rank_update():
@@ -32,7 +23,7 @@ def test_lora_linear_is_base_plus_scaled_low_rank_update():
 
 def test_merged_model_equals_adapter_model():
     torch.manual_seed(0)
-    model = build_llama(LLAMA).eval()
+    model = build_llama(TINY_LLAMA).eval()
     wrapped = apply_lora(model, rank=4, alpha=8.0, within="backbone")
     assert len(wrapped) == 2 * 4 and all(n.startswith("backbone.blocks.") for n in wrapped)
     for m in model.modules():
@@ -47,7 +38,7 @@ def test_merged_model_equals_adapter_model():
 
 
 def test_only_adapters_receive_gradients():
-    model = build_llama(LLAMA)
+    model = build_llama(TINY_LLAMA)
     for p in model.parameters():
         p.requires_grad_(False)
     apply_lora(model, targets=("qkv",), within="backbone")
@@ -59,4 +50,4 @@ def test_only_adapters_receive_gradients():
 
 def test_a_target_that_matches_nothing_is_an_error():
     with pytest.raises(ValueError, match="no nn.Linear named"):
-        apply_lora(build_llama(LLAMA), targets=("q_proj",))
+        apply_lora(build_llama(TINY_LLAMA), targets=("q_proj",))

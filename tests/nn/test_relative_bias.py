@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmformer.models import build_backbone
+from mmformer.models import AttentionConfig, PositionConfig, build_backbone
 from mmformer.nn.attention import Attention, AttentionInputs
 from mmformer.nn.positions import RelativePositionBias, t5_relative_bucket
 from mmformer.nn.tokens import Tokens
@@ -67,7 +67,7 @@ def test_backbone_with_relative_bias_pads_trains_and_decodes(kind):
     torch.manual_seed(0)
     model = MultimodalModel(
         {"text": TextEmbedding(50, 32)},
-        build_backbone(32, 2, 4, causal=True, positions=kind),
+        build_backbone(32, 2, AttentionConfig(4), positions=PositionConfig(kind), causal=True),
         {"lm": LMHead(32, 50)},
     ).eval()
     assert model.backbone.rel_bias.table.abs().sum() > 0  # initialised
@@ -90,4 +90,5 @@ def test_unknown_relative_bias_kind_is_refused():
     with pytest.raises(ValueError, match="relative bias"):
         RelativePositionBias(2, "shaw")
     x = torch.randn(1, 3, 32)
-    assert build_backbone(32, 1, 4, positions="toeplitz")(Tokens.from_embeddings(x, 0)).shape == (1, 3, 32)
+    backbone = build_backbone(32, 1, AttentionConfig(4), positions=PositionConfig("toeplitz"))
+    assert backbone(Tokens.from_embeddings(x, 0)).shape == (1, 3, 32)

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mmformer.models import MultimodalModel, ProjectionHead, build_backbone
+from mmformer.models import AttentionConfig, MultimodalModel, ProjectionHead, build_backbone
 from mmformer.tasks.contrastive import ContrastiveTask, retrieval_recall, zero_shot_accuracy
 from mmformer.tasks.contrastive_loss import clip_loss, siglip_loss
 from mmformer.tokenizers import ViTPatchTokenizer
@@ -126,6 +126,7 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path / "out")), nprocs=W, join=True)
     x, y = _data()
@@ -190,8 +191,8 @@ def _model(towers: bool = False) -> MultimodalModel:
     image = ViTPatchTokenizer(32, 8, 4, 1, True, (0.5,), (0.25,))
     text_width = 16 if towers else 32
     text = TextEmbedding(50, text_width, 12)
-    backbone = build_backbone(32, 2, 4)
-    tower = {"caption": build_backbone(16, 1, 2)} if towers else None
+    backbone = build_backbone(32, 2, AttentionConfig(4))
+    tower = {"caption": build_backbone(16, 1, AttentionConfig(2))} if towers else None
     heads = {
         "image_embed": ProjectionHead(32, 8, "cls", 1),
         "caption_embed": ProjectionHead(text_width, 8, "mean"),
@@ -229,7 +230,10 @@ def test_a_tower_reads_its_tokenizer_and_nothing_else():
     assert not torch.allclose(task.embed_captions(model, ids, valid), before_txt)
     with pytest.raises(ValueError, match="name no tokenizer"):
         MultimodalModel(
-            dict(model.tokenizers), model.backbone, dict(model.heads), {"text": build_backbone(16, 1, 2)}
+            dict(model.tokenizers),
+            model.backbone,
+            dict(model.heads),
+            {"text": build_backbone(16, 1, AttentionConfig(2))},
         )
 
 

@@ -10,6 +10,7 @@ import torch
 from mmformer.cli import main
 from mmformer.models.pretrained.llama import build_llama, save_hf_llama
 from mmformer.tokenizers.text import TextTokenizer
+from tests.conftest import TINY_LLAMA
 
 VERSES = [
     f"And the {w} said unto the {v}, Let there be light: and there was light." for w in "ab" for v in "cdef"
@@ -39,17 +40,7 @@ logger: {{mode: disabled}}
 def pretrained_dir(workdir):
     tok = TextTokenizer.train(VERSES * 4, vocab_size=300)
     tok.chat_template = "{% for m in messages %}<|bos|>{{ m['content'] }}<|eos|>{% endfor %}"
-    config = dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        vocab_size=tok.vocab_size,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
+    config = {**TINY_LLAMA, "vocab_size": tok.vocab_size}
     torch.manual_seed(0)
     return save_hf_llama(build_llama(config), config, workdir / "tiny-llama", tok)
 

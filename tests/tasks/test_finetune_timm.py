@@ -29,21 +29,6 @@ logger: {{mode: disabled}}
 """
 
 
-@pytest.fixture
-def timm_source(workdir):
-    from safetensors.torch import save_file
-    from timm.models._hub import save_config_for_hf
-
-    args = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3)
-    torch.manual_seed(0)
-    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, **args).eval()
-    out = workdir / "timm_vit"
-    out.mkdir()
-    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(out / "model.safetensors"))
-    save_config_for_hf(ref, str(out / "config.json"), model_args=args)
-    return out
-
-
 def _train(workdir, src, epochs, capsys):
     root = make_image_folder(workdir / "imgs", n_per_class=4, size=16)
     recipe = workdir / f"ft{epochs}.yaml"

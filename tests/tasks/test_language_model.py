@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mmformer.cli import main
-from mmformer.models import build_backbone
+from mmformer.models import AttentionConfig, PositionConfig, build_backbone
 from mmformer.models.generate import generate, sample_next
 from mmformer.models.heads import LMHead
 from mmformer.models.model import MultimodalModel
@@ -38,7 +38,9 @@ def _lm(vocab=40, d=32):
     head = LMHead(d, vocab)
     head.tie_to(emb.embed)
     model = MultimodalModel(
-        {"text": emb}, build_backbone(d, 2, 4, causal=True, positions="rope"), {"lm": head}
+        {"text": emb},
+        build_backbone(d, 2, AttentionConfig(4), positions=PositionConfig("rope"), causal=True),
+        {"lm": head},
     )
     return model.eval()
 
@@ -120,7 +122,7 @@ def test_generation_respects_the_context_and_refuses_empty_prompts():
     torch.manual_seed(0)
     emb = TextEmbedding(40, 32, max_len=8)
     model = MultimodalModel(
-        {"text": emb}, build_backbone(32, 1, 4, causal=True), {"lm": LMHead(32, 40)}
+        {"text": emb}, build_backbone(32, 1, AttentionConfig(4), causal=True), {"lm": LMHead(32, 40)}
     ).eval()
     ids, valid = torch.tensor([[3, 4, 5, 6]]), torch.ones(1, 4, dtype=torch.bool)
     assert len(generate(model, "text", "lm", ids, valid, max_new_tokens=50)[0]) == 4  # 4 + 4 = max_len

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmformer.cli import main
-from mmformer.models import build_backbone
+from mmformer.models import AttentionConfig, build_backbone
 from mmformer.models.heads import MLMHead
 from mmformer.models.model import MultimodalModel
 from mmformer.tasks.language_model import IGNORE
@@ -39,7 +39,7 @@ def _model(vocab=60, d=32):
     emb = TextEmbedding(vocab, d, max_len=32)
     head = MLMHead(d, vocab)
     head.tie_to(emb.embed)
-    return MultimodalModel({"text": emb}, build_backbone(d, 2, 4, positions="none"), {"mlm": head})
+    return MultimodalModel({"text": emb}, build_backbone(d, 2, AttentionConfig(4)), {"mlm": head})
 
 
 def test_the_loss_reads_only_the_chosen_positions():

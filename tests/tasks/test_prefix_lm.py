@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from mmformer.models import MultimodalModel, build_backbone
+from mmformer.models import AttentionConfig, MultimodalModel, PositionConfig, build_backbone
 from mmformer.models.heads import LMHead
 from mmformer.models.prefix_lm import PrefixLM
 from mmformer.tasks.prefix_lm import PrefixLMTask, caption_targets, normalize_text
@@ -30,7 +30,7 @@ def _model(prefix: str = "audio", max_len: int | None = 16, positions: str = "no
         )
     else:
         tok = ViTPatchTokenizer(D, image_size=8, patch_size=4, in_chans=1, mean=(0.5,), std=(0.5,))
-    backbone = build_backbone(D, 2, 2, causal=True, positions=positions)
+    backbone = build_backbone(D, 2, AttentionConfig(2), positions=PositionConfig(positions), causal=True)
     model = MultimodalModel(
         {prefix: tok, "text": TextEmbedding(V, D, max_len)}, backbone, {"lm": LMHead(D, V)}
     )
@@ -231,9 +231,9 @@ def _bridged(seed=0):
     )
     model = MultimodalModel(
         {"audio": tok, "text": TextEmbedding(V, D, 16)},
-        build_backbone(D, 2, 2, causal=True),
+        build_backbone(D, 2, AttentionConfig(2), causal=True),
         {"lm": LMHead(D, V), "bridge": ProjectorHead(D_enc, D, stack=3)},
-        towers={"audio": build_backbone(D_enc, 1, 2)},
+        towers={"audio": build_backbone(D_enc, 1, AttentionConfig(2))},
     )
     for p in model.parameters():
         p.data.normal_(0, 0.5)

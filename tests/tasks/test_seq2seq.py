@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmformer.models import MultimodalModel, build_backbone
+from mmformer.models import AttentionConfig, BlockConfig, MultimodalModel, build_backbone
 from mmformer.models.encoder_decoder import EncoderDecoder
 from mmformer.models.heads import LMHead
 from mmformer.tasks.prefix_lm import normalize_text
@@ -34,9 +34,9 @@ def _model(seed=0):
     )
     model = MultimodalModel(
         {"audio": tok, "text": TextEmbedding(V, 32, 16)},
-        build_backbone(32, 2, 2, causal=True, block="cross", d_context=24),
+        build_backbone(32, 2, AttentionConfig(2), block=BlockConfig("cross", d_context=24), causal=True),
         {"lm": LMHead(32, V)},
-        {"audio": build_backbone(24, 2, 2)},
+        {"audio": build_backbone(24, 2, AttentionConfig(2))},
     )
     for p in model.parameters():  # sharper distributions than the 0.02 init, so decoding choices differ
         p.data.normal_(0, 0.5)

@@ -42,6 +42,7 @@ for i in itertools.count():
 """
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_save_never_leaves_a_broken_checkpoint(tmp_path):
     """SIGKILL a process that keeps rewriting ``last.ckpt`` (8 MB each) at random moments: the file
     always loads, whole, with one consistent step; a later save removes the dead writers' temp files."""

@@ -95,11 +95,13 @@ def _check_layouts(workdir: Path, recipe_text: str, batch_key: str) -> None:
         assert list(state) == list(ref_state), f"{name}: checkpoint keys differ"
 
 
+@pytest.mark.slow
 def test_layouts_give_the_same_language_model_gradient(workdir):
     corpus = _corpus(workdir / "corpus.txt")
     _check_layouts(workdir, LM.format(name="lm", corpus=corpus), "tasks.corpus.data.batch_size")
 
 
+@pytest.mark.slow
 def test_layouts_give_the_same_classifier_gradient(workdir):
     images = make_image_folder(workdir / "images", n_per_class=8)
     recipe = TINY_RECIPE.format(name="cls", root=images).replace("batch_size: 4", "batch_size: 8")
@@ -137,7 +139,7 @@ def test_plain_means_of_micro_batches_would_differ():
 
 
 def _tiny_lm():
-    from mmformer.models import build_backbone
+    from mmformer.models import AttentionConfig, PositionConfig, build_backbone
     from mmformer.models.heads import LMHead
     from mmformer.models.model import MultimodalModel
     from mmformer.tokenizers import TextEmbedding
@@ -145,11 +147,12 @@ def _tiny_lm():
     torch.manual_seed(0)
     return MultimodalModel(
         {"text": TextEmbedding(50, 32)},
-        build_backbone(32, 2, 4, causal=True, positions="rope"),
+        build_backbone(32, 2, AttentionConfig(4), positions=PositionConfig("rope"), causal=True),
         {"lm": LMHead(32, 50)},
     )
 
 
+@pytest.mark.slow
 def test_fsdp2_with_checkpointing_and_compile_trains_resumes_and_validates(workdir):
     images = make_image_folder(workdir / "images", n_per_class=8)
     recipe = workdir / "tiny.yaml"
@@ -178,7 +181,9 @@ def test_fsdp2_with_checkpointing_and_compile_trains_resumes_and_validates(workd
     assert "val/toy/acc" in res.stdout
 
 
-@pytest.mark.parametrize("flag", ["activation_checkpointing", "compile"])
+@pytest.mark.parametrize(
+    "flag", ["activation_checkpointing", pytest.param("compile", marks=pytest.mark.slow)]
+)
 def test_checkpointing_and_compile_leave_the_gradient_unchanged(flag):
     from mmformer.models import parallelize
 
@@ -198,6 +203,7 @@ def test_checkpointing_and_compile_leave_the_gradient_unchanged(flag):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_resume_validate_and_merge_into_safetensors(workdir):
     from safetensors.torch import load_file
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from mmformer.commands.train import train
-from mmformer.recipe import load_recipe
 from mmformer.data.datamodule import EveryTask
 from mmformer.data.samplers import ResumableShardSampler
 from mmformer.data.task_schedule import SampledTasks
+from mmformer.recipe import load_recipe
 from mmformer.training.preemption import Preempted
 from tests.conftest import make_image_folder
 from tests.multitask.test_joint_training import JOINT
@@ -55,10 +55,10 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "overrides",
-    [
-        ["multitask.schedule=all"],
-        ["multitask.schedule=sampled", "multitask.steps_per_epoch=7"],
-        ["multitask.schedule=all", "trainer.accumulate_grad_batches=2"],
+    [  # ~10-30 s each: the cheapest (augment-workers, the one with the most to restore) stays fast
+        pytest.param(["multitask.schedule=all"], marks=pytest.mark.slow),
+        pytest.param(["multitask.schedule=sampled", "multitask.steps_per_epoch=7"], marks=pytest.mark.slow),
+        pytest.param(["multitask.schedule=all", "trainer.accumulate_grad_batches=2"], marks=pytest.mark.slow),
         # augmented images prepared by 2 loader workers: the resumed epoch draws the same crops and flips
         [
             "tasks.shapes.data.num_workers=2",

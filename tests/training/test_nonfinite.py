@@ -81,6 +81,7 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_every_rank_skips_when_one_rank_is_not_finite(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path / "out")), nprocs=W, join=True)
     for r in range(W):

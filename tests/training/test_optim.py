@@ -5,14 +5,16 @@ import math
 import pytest
 import torch
 
-from mmformer.models import ClassifierHead, MultimodalModel, build_backbone
+from mmformer.models import AttentionConfig, ClassifierHead, MultimodalModel, build_backbone
 from mmformer.tokenizers import ViTPatchTokenizer
 from mmformer.training.optim import build_scheduler, lr_factor, param_groups
 
 
 def test_no_decay_on_norms_biases_pos_embed_and_cls_token():
     model = MultimodalModel(
-        {"image": ViTPatchTokenizer(32, 28, 7, 1)}, build_backbone(32, 2, 2), {"h": ClassifierHead(32, 3)}
+        {"image": ViTPatchTokenizer(32, 28, 7, 1)},
+        build_backbone(32, 2, AttentionConfig(2)),
+        {"h": ClassifierHead(32, 3)},
     )
     decay, no_decay = param_groups(model, 0.05)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -89,7 +91,9 @@ def test_layer_decay_scales_lr_by_depth_and_skips_frozen_parameters():
 def _vit(seed: int = 0) -> MultimodalModel:
     torch.manual_seed(seed)
     return MultimodalModel(
-        {"image": ViTPatchTokenizer(32, 28, 7, 1)}, build_backbone(32, 2, 2), {"h": ClassifierHead(32, 3)}
+        {"image": ViTPatchTokenizer(32, 28, 7, 1)},
+        build_backbone(32, 2, AttentionConfig(2)),
+        {"h": ClassifierHead(32, 3)},
     )
 
 

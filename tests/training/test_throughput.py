@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mmformer.commands.train import train
-from mmformer.recipe import load_recipe
 from mmformer.models import count_flops
+from mmformer.recipe import load_recipe
 from mmformer.training.callbacks import ThroughputLogger, _Rate
 
 

@@ -7,38 +7,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from omegaconf import MISSING
-
 from ...data.audio_caption import audio_caption_data
 from ...data.image_caption import image_caption_data
 from ...errors import RecipeError, positive
 from ...registry import register
 from ..context import BuildContext
 from ..tokenizers import audio_preprocess, modality_at_load
-from .base import task_of
+from .base import LoaderConfig, task_of
 
 
 @dataclass
-class ImageCaptionDataConfig:
+class ImageCaptionDataConfig(LoaderConfig):
     """``tasks.<name>.data`` of kind ``image_caption``: ``root/<split>.jsonl`` of ``{"image": path,
     "caption": text}`` (paths relative to ``root``); ``root`` is a path or a bundled name (``emoji``).
     The captions are read with the task's ``caption_tokenizer``."""
 
     kind: str = "image_caption"
-    root: str = MISSING
     train_split: str = "train"
     val_split: str = "val"
     max_len: int = 32  # caption tokens, BOS/EOS included; longer captions are cut
     batch_size: int = 64
-    val_batch_size: Optional[int] = None
-    num_workers: int = 0
-    drop_last: bool = True
     cache: bool = True  # keep decoded images in memory
     label_key: Optional[str] = None  # a row field naming each item's class (emoji: group), for zero-shot;
     # the classes and their prompts are read from root/<label_key>.json ({class: [prompt, …]})
 
     def __post_init__(self) -> None:
-        positive(self, "max_len", "batch_size", "val_batch_size")
+        super().__post_init__()
+        positive(self, "max_len")
 
     def check(self, recipe, where: str) -> None:
         if getattr(task_of(recipe, where), "caption_tokenizer", None) is None:
@@ -49,24 +44,20 @@ class ImageCaptionDataConfig:
 
 
 @dataclass
-class AudioCaptionDataConfig:
+class AudioCaptionDataConfig(LoaderConfig):
     """``tasks.<name>.data`` of kind ``audio_caption``: JSONL manifests ``root/<split>.jsonl`` of
     ``{"audio": path, "text": transcript}``; ``root`` is a path or a bundled name (``asterisk-speech``).
     The transcripts are read with the task's ``caption_tokenizer``."""
 
     kind: str = "audio_caption"
-    root: str = MISSING
     train_split: str = "train"
     val_split: str = "test"
     text_key: str = "text"
     max_len: int = 48  # transcript tokens, BOS/EOS included; longer ones are cut
-    batch_size: int = 32
-    val_batch_size: Optional[int] = None
-    num_workers: int = 0
-    drop_last: bool = True
 
     def __post_init__(self) -> None:
-        positive(self, "max_len", "batch_size", "val_batch_size")
+        super().__post_init__()
+        positive(self, "max_len")
 
     def check(self, recipe, where: str) -> None:
         task = task_of(recipe, where)

@@ -5,75 +5,63 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-from omegaconf import MISSING
 
 from ...data.audio import audio_classification_data
 from ...data.image import cifar10_data, image_folder_data
-from ...errors import positive
 from ...registry import register
 from ..context import BuildContext
 from ..tokenizers import audio_preprocess
+from .base import LoaderConfig
 
 
 @dataclass
-class ImageFolderDataConfig:
+class ImageFolderDataConfig(LoaderConfig):
     """``tasks.<name>.data`` of kind ``image_folder``: ``root/<split>/<class>/*.png|jpg|…``.
 
     ``root`` is a path, or a bundled dataset name (``mmformer data list``) under the data root.
     """
 
     kind: str = "image_folder"
-    root: str = MISSING
     train_split: str = "train"
     val_split: str = "val"
     batch_size: int = 64
-    val_batch_size: Optional[int] = None  # default: batch_size
     num_workers: int = 2
     cache: bool = False  # keep decoded images in memory (small datasets)
     crop_padding: int = 0  # training augmentation: RandomCrop(image_size, padding)
     hflip: bool = False  # training augmentation: horizontal flips
-    drop_last: bool = True
 
     def __post_init__(self) -> None:
-        positive(self, "batch_size", "val_batch_size")
-        if self.num_workers < 0 or self.crop_padding < 0:
-            raise ValueError("num_workers and crop_padding must be >= 0")
+        super().__post_init__()
+        super().__post_init__()
+        if self.crop_padding < 0:
+            raise ValueError(f"crop_padding must be >= 0, got {self.crop_padding}")
 
 
 @dataclass
-class CIFAR10DataConfig:
+class CIFAR10DataConfig(LoaderConfig):
     """``tasks.<name>.data`` of kind ``cifar10``: CIFAR-10's python format (torchvision)."""
 
     kind: str = "cifar10"
     root: str = "cifar10"
     download: bool = False  # fetch from the official URL (needs internet)
     batch_size: int = 128
-    val_batch_size: Optional[int] = None
     num_workers: int = 2
     crop_padding: int = 4
     hflip: bool = True
-    drop_last: bool = True
 
 
 @dataclass
-class AudioFolderDataConfig:
+class AudioFolderDataConfig(LoaderConfig):
     """``tasks.<name>.data`` of kind ``audio_folder``: ``root/<split>/<class>/<clip>`` (wav, flac, ogg, …);
     ``root`` is a path or a bundled name (``spoken-words``)."""
 
     kind: str = "audio_folder"
-    root: str = MISSING
     train_split: str = "train"
     val_split: str = "val"
-    batch_size: int = 32
-    val_batch_size: Optional[int] = None
-    num_workers: int = 0
-    drop_last: bool = True
     bucket_by_length: bool = False  # batches of clips of similar duration (less padding)
 
     def __post_init__(self) -> None:
-        positive(self, "batch_size", "val_batch_size")
+        super().__post_init__()
 
 
 @dataclass

@@ -6,57 +6,48 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from omegaconf import MISSING
-
 from ...data.text import text_data
 from ...data.text_classification import text_classification_data
 from ...errors import positive
 from ...registry import register
 from ..context import BuildContext
+from .base import LoaderConfig
 
 
 @dataclass
-class TextDataConfig:
+class TextDataConfig(LoaderConfig):
     """``tasks.<name>.data`` of kind ``text``: a corpus (file or folder, blank-line separated documents),
     a path or a bundled name (``kjv``); tokenized once into a memory-mapped cache."""
 
     kind: str = "text"
-    root: str = MISSING
     seq_len: int = 256
     pack: bool = True  # pack documents into full windows (with document ids) instead of padding each
     val_fraction: float = 0.05  # documents held out, seeded by the recipe seed
-    batch_size: int = 32
-    val_batch_size: Optional[int] = None
-    num_workers: int = 0
-    drop_last: bool = True
     # pack: false — batches of documents of similar length, trimmed to their longest (less padding)
     bucket_by_length: bool = False
 
     def __post_init__(self) -> None:
         if self.bucket_by_length and self.pack:
             raise ValueError("bucket_by_length needs pack: false (packed windows all have seq_len tokens)")
-        positive(self, "seq_len", "batch_size", "val_batch_size")
+        super().__post_init__()
+        positive(self, "seq_len")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
 @dataclass
-class TextClassificationDataConfig:
+class TextClassificationDataConfig(LoaderConfig):
     """``tasks.<name>.data`` of kind ``text_classification``: JSONL manifests ``root/train.jsonl`` and
     ``root/val.jsonl`` of ``{"text": …, "label": …}`` (label a class name); ``root/classes.txt``, when
     present, fixes the class order. ``root`` is a path or a bundled name (``wordnet-supersenses``)."""
 
     kind: str = "text_classification"
-    root: str = MISSING
     max_len: int = 128  # tokens per text, special tokens included; longer texts are cut
-    batch_size: int = 32
-    val_batch_size: Optional[int] = None
-    num_workers: int = 0
-    drop_last: bool = True
     limit_train: Optional[int] = None  # use the first N training examples (after a seeded shuffle)
 
     def __post_init__(self) -> None:
-        positive(self, "max_len", "batch_size", "val_batch_size", "limit_train")
+        super().__post_init__()
+        positive(self, "max_len", "limit_train")
 
 
 @register("dataset", "text", TextDataConfig)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ...nn.tokens import Tokens
 from ...tokenizers.text import TextEmbedding, TextTokenizer
 from ..backbone import build_backbone
+from ..backbone_config import AttentionConfig, BlockConfig, MlpConfig
 from ..model import MultimodalModel
 from .llama import _load_into, _read_safetensors_dir
 
@@ -69,6 +70,7 @@ def build_bert(config: dict) -> MultimodalModel:
     if config.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported; expected 'gelu'")
     d, eps = config["hidden_size"], config.get("layer_norm_eps", 1e-12)
+    drop = config.get("hidden_dropout_prob", 0.1)
     embedding = TextEmbedding(
         config["vocab_size"],
         d,
@@ -76,18 +78,19 @@ def build_bert(config: dict) -> MultimodalModel:
         type_vocab_size=config.get("type_vocab_size", 2),
         norm=True,
         norm_eps=eps,
-        drop=config.get("hidden_dropout_prob", 0.1),
+        drop=drop,
     )
     backbone = build_backbone(
         d,
         config["num_hidden_layers"],
-        config["num_attention_heads"],
-        mlp_hidden=config["intermediate_size"],
-        block="post",
+        AttentionConfig(
+            config["num_attention_heads"],
+            attn_drop=config.get("attention_probs_dropout_prob", 0.1),
+            proj_drop=drop,
+        ),
+        mlp=MlpConfig(hidden=config["intermediate_size"], act="gelu", drop=drop),
+        block=BlockConfig("post"),
         norm_eps=eps,
-        act="gelu",
-        drop=config.get("hidden_dropout_prob", 0.1),
-        attn_drop=config.get("attention_probs_dropout_prob", 0.1),
     )
     return MultimodalModel({"text": embedding}, backbone, {"embedding": SentenceEmbeddingHead()})
 

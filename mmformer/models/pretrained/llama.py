@@ -29,8 +29,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ...nn.blocks import Block
+from ...nn.lora import LoRALinear
+from ...nn.mlp import SwiGLU
 from ...tokenizers.text import TextEmbedding, TextTokenizer
 from ..backbone import build_backbone
+from ..backbone_config import AttentionConfig, MlpConfig, PositionConfig
 from ..heads import LMHead
 from ..model import MultimodalModel
 from .gguf import read_gguf, tokenizer_from_gguf
@@ -66,18 +70,19 @@ def build_llama(config: dict) -> MultimodalModel:
     backbone = build_backbone(
         d,
         config["num_hidden_layers"],
-        config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads"),
-        mlp_hidden=config["intermediate_size"],
+        AttentionConfig(
+            config["num_attention_heads"],
+            n_kv_heads=config.get("num_key_value_heads"),
+            qkv_bias=bias,
+            proj_bias=bias,
+        ),
+        mlp=MlpConfig(
+            hidden=config["intermediate_size"], act="swiglu", bias=bool(config.get("mlp_bias", False))
+        ),
+        positions=PositionConfig("rope", rope_base=_rope_theta(config)),
         norm="rmsnorm",
         norm_eps=config.get("rms_norm_eps", 1e-6),
-        act="swiglu",
-        qkv_bias=bias,
-        proj_bias=bias,
-        mlp_bias=bool(config.get("mlp_bias", False)),
         causal=True,
-        positions="rope",
-        rope_base=_rope_theta(config),
     )
     embedding = TextEmbedding(vocab, d)
     head = LMHead(d, vocab)
@@ -145,9 +150,6 @@ def llama_config(model: MultimodalModel) -> dict:
 
     Raises ``ValueError`` naming the first part that is not Llama-shaped.
     """
-    from ...nn.blocks import Block
-    from ...nn.lora import LoRALinear
-    from ...nn.mlp import SwiGLU
 
     bb, emb = model.backbone, model.tokenizers["text"] if "text" in model.tokenizers else None
     head = model.heads["lm"] if "lm" in model.heads else None
@@ -157,7 +159,7 @@ def llama_config(model: MultimodalModel) -> dict:
         (not isinstance(block, Block), "pre-norm blocks"),
         (not isinstance(bb.norm, torch.nn.RMSNorm), "RMSNorm"),
         (not isinstance(block.mlp, SwiGLU), "a SwiGLU MLP"),
-        (bb.positions != "rope" or not bb.causal, "causal attention with RoPE"),
+        (bb.positions.kind != "rope" or not bb.causal, "causal attention with RoPE"),
         (
             emb is not None and (emb.pos_embed is not None or emb.type_embed is not None),
             "no absolute positions",

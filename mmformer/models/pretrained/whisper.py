@@ -44,6 +44,7 @@ from torch import Tensor
 from ...tokenizers.audio import WhisperConvTokenizer
 from ...tokenizers.text import TextEmbedding, TextTokenizer
 from ..backbone import build_backbone
+from ..backbone_config import AttentionConfig, BlockConfig, MlpConfig
 from ..encoder_decoder import EncoderDecoder
 from ..heads import LMHead
 from ..model import MultimodalModel
@@ -69,7 +70,11 @@ def build_whisper_encoder(config: dict) -> MultimodalModel:
     d = config["d_model"]
     tokenizer = WhisperConvTokenizer(d, config["n_mels"], config["n_ctx"])
     backbone = build_backbone(
-        d, config["n_layers"], config["n_heads"], mlp_hidden=config["mlp_hidden"], norm_eps=1e-5, act="gelu"
+        d,
+        config["n_layers"],
+        AttentionConfig(config["n_heads"]),
+        mlp=MlpConfig(hidden=config["mlp_hidden"], act="gelu"),
+        norm_eps=1e-5,
     )
     return MultimodalModel({"audio": tokenizer}, backbone, {})
 
@@ -174,11 +179,10 @@ def build_whisper(config: dict) -> MultimodalModel:
     decoder = build_backbone(
         d,
         config["n_text_layers"],
-        config["n_text_heads"],
-        mlp_hidden=config["mlp_hidden"],
+        AttentionConfig(config["n_text_heads"]),
+        mlp=MlpConfig(hidden=config["mlp_hidden"], act="gelu"),
+        block=BlockConfig("cross"),
         norm_eps=1e-5,
-        act="gelu",
-        block="cross",
         causal=True,
     )
     text = TextEmbedding(config["n_vocab"], d, max_len=config["n_text_ctx"])

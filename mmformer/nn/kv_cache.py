@@ -1,0 +1,87 @@
+"""``KVCache``: the keys and values of past tokens, per layer, that decoding appends to one step at a time
+(``Attention`` writes into it; ``Backbone.forward(tokens, cache=cache)`` extends its per-token metadata).
+
+Shapes: ``B`` batch, ``Hkv`` key/value heads, ``Nk`` cached positions, ``Dh`` head dim, ``P`` position axes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Keys and values of past tokens, per layer, plus the per-token metadata masks need.
+
+    ``Backbone.forward(tokens, cache=cache)`` appends the new tokens; the cache never supplies positions
+    (the caller's Tokens do, counting on from the cache length). Keys and values of padding are stored
+    zeroed (``Attention`` zeroes them as they enter), so later steps need not zero the cache again.
+
+    Keys and values live in buffers with room to grow (capacity doubled when full, as a ``list``), so a
+    decoding step writes its one new position instead of copying the whole cache (``torch.cat`` each
+    step, as transformers' default ``DynamicCache``, moves O(N) bytes per step and layer); ``keys`` /
+    ``values`` are views of the filled part. For inference (under ``torch.no_grad``): appends write in
+    place, so autograd refuses a backward through several cached steps.
+    """
+
+    def __init__(self, capacity: int = 0) -> None:
+        """``capacity``: positions to make room for at the first append (the prompt plus the tokens to
+        decode, when the caller knows them: one allocation, no doubling)."""
+        self.capacity = capacity
+        self.keys: dict[int, Tensor] = {}  # layer → (B, Hkv, Nk, Dh), a view of the layer's buffer
+        self.values: dict[int, Tensor] = {}
+        self._buffers: dict[int, tuple[Tensor, Tensor]] = {}  # layer → (B, Hkv, capacity, Dh) each
+        self.valid: Tensor | None = None  # (B, Nk) bool
+        self.document: Tensor | None = None  # (B, Nk) long
+        self.positions: Tensor | None = None  # (B, Nk, P) long
+        self.span_open: Tensor | None = (
+            None  # (B,) bool: the last cached token is inside a bidirectional span
+        )
+        # cross-attention keys/values of the context (encoder–decoder): computed at the first step and
+        # reused by every later one, since the context does not change while decoding
+        self.cross: dict[int, tuple[Tensor, Tensor]] = {}  # layer → (B, Hkv, M, Dh) each
+
+    @property
+    def length(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k, v (B, Hkv, Nq, Dh)`` for ``layer``; returns all keys and values so far (views)."""
+        n = self.keys[layer].shape[2] if layer in self.keys else 0
+        end = n + k.shape[2]
+        buf_k, buf_v = self._buffers.get(layer, (None, None))
+        if buf_k is None or end > buf_k.shape[2]:
+            room = self.capacity if buf_k is None and self.capacity >= end else max(2 * end, 16)
+            shape = (*k.shape[:2], room, k.shape[3])
+            grown_k, grown_v = k.new_empty(shape), v.new_empty(shape)
+            if n:
+                grown_k[:, :, :n], grown_v[:, :, :n] = self.keys[layer], self.values[layer]
+            buf_k, buf_v = self._buffers[layer] = grown_k, grown_v
+        buf_k[:, :, n:end], buf_v[:, :, n:end] = k, v
+        self.keys[layer], self.values[layer] = buf_k[:, :, :end], buf_v[:, :, :end]
+        return self.keys[layer], self.values[layer]
+
+    def reorder(self, index: Tensor, cross: bool = True) -> None:
+        """Keep batch rows ``index (B',)`` long, in that order (beam search: each surviving hypothesis
+        continues from its parent's keys and values; a row may be repeated). ``cross=False`` leaves the
+        cross-attention keys/values as they are: right when every row keeps its source (beams of one
+        source replacing each other), and it saves copying them every step."""
+        pick = lambda t: None if t is None else t.index_select(0, index)
+        for layer, (buf_k, buf_v) in self._buffers.items():  # whole buffers: their room is kept
+            n = self.keys[layer].shape[2]
+            buf_k, buf_v = self._buffers[layer] = pick(buf_k), pick(buf_v)
+            self.keys[layer], self.values[layer] = buf_k[:, :, :n], buf_v[:, :, :n]
+        self.valid, self.document, self.positions = (
+            pick(self.valid),
+            pick(self.document),
+            pick(self.positions),
+        )
+        self.span_open = pick(self.span_open)
+        if cross:
+            self.cross = {layer: (pick(k), pick(v)) for layer, (k, v) in self.cross.items()}
+
+    def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:
+        """Append the new tokens' metadata (called once per forward, after every layer ran)."""
+        cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)
+        self.valid, self.document = cat(self.valid, valid), cat(self.document, document)
+        self.positions = cat(self.positions, positions)
