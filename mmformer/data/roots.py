@@ -31,6 +31,8 @@ def resolve_root(root: str, prepare_missing: bool = True) -> Path:
         DataNotFoundError: the path does not exist (naming it, and the ``mmformer data prepare``
             command when it looks like a bundled dataset).
     """
+    # Imported here, not at the top: preparing a bundled dataset needs ``data_root`` from this module, and
+    # every data module resolves its root through this one (the one lazy import between mmformer modules).
     from .prepare import BUNDLED, prepare
 
     if root in BUNDLED:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .kv_cache import KVCache
+from .linear_attention import favor_attention, orthogonal_features
 from .masks import MaskSpec, to_additive
 from .positions import RotaryEmbedding, alibi_bias
 
@@ -433,8 +434,6 @@ class Attention(nn.Module):
 
     def _performer(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:
         """FAVOR+ (``nn.linear_attention``): causal or not, with padding; no documents, spans or windows."""
-        from .linear_attention import favor_attention, orthogonal_features
-
         if (
             mask.document is not None
             or mask.span is not None

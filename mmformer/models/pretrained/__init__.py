@@ -21,6 +21,7 @@ import torch
 from ...tokenizers.text import TextTokenizer
 from ..model import MultimodalModel
 from .bert import BERT_SPECIAL, SentenceEmbeddingHead, build_bert, load_hf_bert
+from .gguf import read_gguf, tokenizer_from_gguf
 from .llama import build_llama, hf_tokenizer, llama_config, load_gguf_llama, load_hf_llama, save_hf_llama
 from .timm_vit import build_timm_vit, is_timm_vit_source, load_timm_vit
 from .whisper import is_whisper_ct2, load_whisper_encoder
@@ -114,8 +115,6 @@ def load_pretrained_tokenizer(name_or_path: str | Path) -> TextTokenizer:
     if family in ("whisper", "timm_vit"):
         raise ValueError(f"{name_or_path} is an {FAMILY_MODALITY[family]} encoder; it has no text tokenizer")
     if path.is_file():
-        from .gguf import read_gguf, tokenizer_from_gguf
-
         return tokenizer_from_gguf(read_gguf(path).metadata)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} has no tokenizer.json")
