@@ -50,7 +50,21 @@ class ViTPatchConfig:
 
 
 @dataclass
-class ASTConfig:
+class AudioAugmentation:
+    """The training augmentation every audio tokenizer's data side takes (``tokenizers.audio.AudioPreprocess``
+    and ``SpecAugment``; Park et al. 2019). A kind declares ``kind`` again to name itself."""
+
+    kind: str = MISSING
+    random_crop: bool = False  # training clips longer than max_seconds: random window instead of the start
+    freq_mask: int = 0  # SpecAugment: widest frequency mask in mel bins (training only; 0 = off)
+    time_mask: int = 0  # SpecAugment: widest time mask in frames
+    gain_db: float = 0.0  # training: random gain in ±gain_db dB
+    shift_seconds: float = 0.0  # training: 0 to shift_seconds of leading silence
+    noise_snr_db: Optional[float] = None  # training: white noise at a random SNR in [noise_snr_db, 40] dB
+
+
+@dataclass
+class ASTConfig(AudioAugmentation):
     """``model.tokenizers.<name>`` of kind ``ast``: waveform → log-mel → 2-D (frequency × time) patches
     (``mmformer.tokenizers.audio.ASTPatchTokenizer``); the data side resamples to ``sample_rate`` and
     crops to ``max_seconds``."""
@@ -67,12 +81,6 @@ class ASTConfig:
     patch_stride: list[int] = field(default_factory=lambda: [16, 16])  # < patch_size: overlapping patches
     max_seconds: float = 10.0
     normalize: str = "fixed"  # fixed: (log10 - mean) / std | utterance: each clip's own per-bin mean/std
-    freq_mask: int = 0  # SpecAugment: widest frequency mask in mel bins (training only; 0 = off)
-    time_mask: int = 0  # SpecAugment: widest time mask in frames
-    random_crop: bool = False  # training clips longer than max_seconds: random window instead of the start
-    gain_db: float = 0.0  # training: random gain in ±gain_db dB
-    shift_seconds: float = 0.0  # training: 0 to shift_seconds of leading silence
-    noise_snr_db: Optional[float] = None  # training: white noise at a random SNR in [noise_snr_db, 40] dB
 
     def __post_init__(self) -> None:
         positive(self, "sample_rate", "n_fft", "hop_length", "n_mels", "max_seconds")
@@ -93,7 +101,7 @@ class ASTConfig:
 
 
 @dataclass
-class WhisperConvConfig:
+class WhisperConvConfig(AudioAugmentation):
     """``model.tokenizers.<name>`` of kind ``whisper_conv``: a from-scratch Whisper front end — log-mel as
     Whisper computes it (16 kHz, 25 ms windows, 10 ms hop) → two 1-D convolutions (the second of stride 2)
     → sinusoidal positions, one token per 20 ms (``mmformer.tokenizers.audio.WhisperConvTokenizer``;
@@ -103,12 +111,6 @@ class WhisperConvConfig:
     kind: str = "whisper_conv"
     n_mels: int = 80
     max_seconds: float = 30.0  # longer clips are cut (the sinusoids cover 30 s)
-    random_crop: bool = False  # training clips longer than max_seconds: random window instead of the start
-    freq_mask: int = 0  # SpecAugment: widest frequency mask in mel bins (training only; 0 = off)
-    time_mask: int = 0  # SpecAugment: widest time mask in frames
-    gain_db: float = 0.0  # training: random gain in ±gain_db dB
-    shift_seconds: float = 0.0  # training: 0 to shift_seconds of leading silence
-    noise_snr_db: Optional[float] = None  # training: white noise at a random SNR in [noise_snr_db, 40] dB
 
     @property
     def sample_rate(self) -> int:
@@ -157,10 +159,10 @@ class BPEConfig:
 
 
 @dataclass
-class PretrainedTokenizerConfig:
+class PretrainedTokenizerConfig(AudioAugmentation):
     """``model.tokenizers.<name>`` of kind ``pretrained``: the tokenizer and embeddings of pretrained
     weights — text (vocabulary, special tokens, chat template) or audio (Whisper's log-mel and conv
-    stem); usually the backbone's ``source``."""
+    stem; the augmentation fields apply to audio sources); usually the backbone's ``source``."""
 
     kind: str = "pretrained"
     source: str = MISSING
@@ -168,14 +170,6 @@ class PretrainedTokenizerConfig:
     image_size: Optional[int] = None  # image (timm ViT): position embeddings resampled to this size
     in_chans: Optional[int] = None  # image (timm ViT): patch embedding adapted to 1 (gray) or 3 channels
     max_seconds: float = 30.0  # audio: longer clips are cut (Whisper has 30 s of positions)
-    random_crop: bool = False  # audio: training clips longer than max_seconds get a random window
-    freq_mask: int = 0  # audio: SpecAugment frequency mask width in mel bins (training only)
-    time_mask: int = 0  # audio: SpecAugment time mask width in frames
-    gain_db: float = 0.0  # audio, training: random gain in ±gain_db dB
-    shift_seconds: float = 0.0  # audio, training: 0 to shift_seconds of leading silence
-    noise_snr_db: Optional[float] = (
-        None  # audio, training: white noise at a random SNR in [noise_snr_db, 40] dB
-    )
 
     @property
     def sample_rate(self) -> int:
