@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     args = _parser().parse_args(argv)
     had_group = _process_group_initialized()
-    # each command's module is imported when it runs: `mmformer data list` needs neither torch nor Lightning
+    # each command's module is imported when it runs: `--help` and argument errors need no torch or Lightning
     command = getattr(
         importlib.import_module(f"mmformer.commands.{args.command_fn}"), f"cmd_{args.command_fn}"
     )
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _process_group_initialized() -> bool:
-    if "torch" not in sys.modules:  # ``data list`` and friends never import torch
+    if "torch" not in sys.modules:  # a command that never imported torch started no process group
         return False
     import torch.distributed as dist
 

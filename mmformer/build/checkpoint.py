@@ -32,8 +32,9 @@ class LoadedCheckpoint:
         return name
 
     def module(self) -> MultiTaskModule:
-        """The LightningModule holding the checkpoint's weights (EMA weights when the run kept them)."""
-        module = build_module(self.recipe, ctx=self.context)
+        """The LightningModule holding the checkpoint's weights (EMA weights when the run kept them); a
+        new one at every call (its own build context: no modules shared with an earlier call)."""
+        module = build_module(self.recipe, ctx=BuildContext.from_checkpoint(self.recipe, self.state))
         module.load_state_dict(self.state["state_dict"])
         return module
 

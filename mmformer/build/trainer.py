@@ -74,9 +74,20 @@ def build_strategy(t, unused: bool = False, sharded: bool = False):
     (``unused``); other names unchanged."""
     if t.strategy == "fsdp2":
         return FSDP2Strategy(sharded=sharded)
-    if t.strategy in ("ddp", "ddp_find_unused_parameters_true"):
-        return DDPStrategy(find_unused_parameters=unused or t.strategy != "ddp")
+    name = t.strategy.removesuffix("_find_unused_parameters_true")
+    if name in DDP_START_METHODS:
+        told = unused or name != t.strategy  # the recipe named the _find_unused_parameters_true variant
+        return DDPStrategy(find_unused_parameters=told, start_method=DDP_START_METHODS[name])
     return t.strategy
+
+
+# Lightning's DDP strategy names and how each starts its processes (``strategies/ddp.py`` registry).
+DDP_START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork", "ddp_notebook": "fork"}
+
+
+def _interactive() -> bool:
+    """A notebook or REPL: where Lightning's ``auto`` picks forked DDP processes (as it decides)."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
 
 
 def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=()) -> L.Trainer:
@@ -159,5 +170,6 @@ def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=())
     )
     trainer = L.Trainer(strategy=strategy, **kwargs)
     if unused and strategy == "auto" and type(trainer.strategy) is DDPStrategy:  # "auto" chose DDP: tell it
-        trainer = L.Trainer(strategy=DDPStrategy(find_unused_parameters=True), **kwargs)
+        start = "fork" if _interactive() else "popen"
+        trainer = L.Trainer(strategy=DDPStrategy(find_unused_parameters=True, start_method=start), **kwargs)
     return trainer

@@ -102,11 +102,11 @@ class BuildContext:
 
     def tokenizer_modality(self, cfg) -> str:
         """``text``, ``audio`` or ``image``: what a tokenizer config reads (pretrained ones by their
-        family; every other config declares ``modality``)."""
+        family; every other config declares ``modality``, default ``image``)."""
         if cfg.kind == "pretrained":
             pinned = self.pinned_pretrained.get(cfg.source)
             return FAMILY_MODALITY[pinned["family"] if pinned else pretrained_family(cfg.source)]
-        return cfg.modality
+        return getattr(cfg, "modality", "image")
 
     def image_spec(self, tok_cfg):
         """What the data side needs of an image tokenizer's config (``image_size``, ``in_chans``): the

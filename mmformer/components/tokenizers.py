@@ -286,7 +286,7 @@ def modality_at_load(cfg) -> str | None:
     """A tokenizer config's modality as far as the recipe alone tells: a pretrained source that cannot
     be resolved here (a checkpoint's, on another machine) gives None (its rules are checked at build)."""
     if cfg.kind != "pretrained":
-        return cfg.modality
+        return getattr(cfg, "modality", "image")  # a user's kind that declares none reads images
     try:
         return FAMILY_MODALITY[pretrained_family(cfg.source)]
     except (FileNotFoundError, ValueError):

@@ -64,11 +64,12 @@ class LastCheckpoint(ModelCheckpoint):
         if self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
             self._save_checkpoint(trainer, self.format_checkpoint_name({}))
 
-    def save_now(self, trainer) -> str:
+    def save_now(self, trainer) -> str | None:
         """Write ``last.ckpt`` now unless it already holds this step (every rank calls this at the same
-        point: a stop on a signal); returns its path."""
+        point: a stop on a signal); returns its path, or None when there is none on disk (a sharded
+        checkpoint is a folder)."""
         path = self.format_checkpoint_name({})
         if self._last_global_step_saved != trainer.global_step:
             rank_zero_info(f"saving {path} at step {trainer.global_step}")
             self._save_checkpoint(trainer, path)
-        return path
+        return path if os.path.exists(path) else None

@@ -57,6 +57,7 @@ class StopOnSignal(Checkpoint):
         self.signum: int | None = None  # the first signal received, until the run stops
         self._previous: dict[int, object] = {}
         self._step_seen = -1
+        self._fitting = False  # a fit stops at its next safe point; a validation alone runs to its end
         self._pending = (
             0  # agreed after an epoch-end validation: stop once the epoch's checkpoints are written
         )
@@ -69,10 +70,13 @@ class StopOnSignal(Checkpoint):
             self.signum = signum
             name = signal.Signals(signum).name
             again = " (Ctrl-C again stops at once, without saving)" if signum == signal.SIGINT else ""
-            os.write(2, f"\nmmformer: {name} received: stopping at the next safe point{again}\n".encode())
+            what = "stopping at the next safe point" if self._fitting else "finishing this validation first"
+            os.write(2, f"\nmmformer: {name} received: {what}{again}\n".encode())
 
-    def _install(self) -> None:
-        # Lightning registers its own SIGTERM handler when a fit / validate starts, before these hooks.
+    def _install(self, trainer) -> None:
+        # Lightning registers its own SIGTERM handler when a fit / validate starts, before these hooks;
+        # during a validation alone this one keeps Lightning's broadcast out of the handler too.
+        self._fitting = trainer.state.fn == "fit"
         if threading.current_thread() is not threading.main_thread():
             return
         for s in HANDLED:
@@ -81,19 +85,22 @@ class StopOnSignal(Checkpoint):
                 signal.signal(s, self._on_signal)
 
     def _restore(self) -> None:
+        # Lightning's teardown may have put back what it found first: only a handler still ours is replaced
         if threading.current_thread() is threading.main_thread():
             for s, handler in self._previous.items():
-                signal.signal(s, handler)
+                if signal.getsignal(s) == self._on_signal:
+                    signal.signal(s, handler)
         self._previous = {}
 
     def on_sanity_check_start(self, trainer, pl_module) -> None:
-        self._install()
+        self._install(trainer)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._install()
+        self._install(trainer)
+        self._step_seen = trainer.global_step  # a resumed run's first batch may sit inside a window
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        self._install()
+        self._install(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()
@@ -117,7 +124,10 @@ class StopOnSignal(Checkpoint):
             self._stop_if_agreed(trainer)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if self._pending:
+        finished = (trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps) or (
+            trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+        )
+        if self._pending and not finished:  # a run that ends here anyway ends as a finished run
             self._stop(trainer, self._pending)
 
     def _stop_if_agreed(self, trainer: L.Trainer) -> None:

@@ -178,3 +178,25 @@ def test_a_signal_during_validation_lets_it_finish_and_stops_right_after(tiny_re
     w_full = full.lightning_module.state_dict()
     for k, v in resumed.lightning_module.state_dict().items():
         torch.testing.assert_close(v, w_full[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_a_finished_run_gives_the_signal_handlers_back(tiny_recipe, workdir):
+    """Lightning puts back its own handlers before the callbacks' teardown: a run that ends normally must
+    not leave Lightning's broadcasting SIGTERM handler (or this one) installed behind it."""
+    before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    train(load_recipe(tiny_recipe, ["trainer.max_epochs=1"]))
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+class SigtermOnFirstBatch(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0 and trainer.current_epoch == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_inside_the_first_accumulation_window_stops_at_its_end(tiny_recipe, workdir):
+    recipe = load_recipe(tiny_recipe, ["trainer.max_epochs=2", "trainer.accumulate_grad_batches=2"])
+    with pytest.raises(Preempted) as stop:
+        train(recipe, extra_callbacks=[SigtermOnFirstBatch()])
+    assert stop.value.step == 1  # the window of batches 0 and 1 was applied, then the run stopped
+    assert torch.load(stop.value.checkpoint, weights_only=True)["global_step"] == 1
