@@ -375,6 +375,11 @@ class MultiTaskModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        legacy = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+        if dm is not None and type(dm).__qualname__ not in checkpoint and legacy:
+            # written before the datamodule carried the loader's position: Lightning's own copy of it
+            dm.load_state_dict({"train": legacy[0]})
         state = checkpoint.get("mmformer", {})
         if "rng" in state:
             _set_rng_state(state["rng"])  # rank 0's streams, which the checkpoint holds

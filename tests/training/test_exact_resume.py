@@ -157,3 +157,19 @@ def test_loader_workers_get_distinct_epoch_dependent_reproducible_streams():
     assert draws[0, 0] != draws[1, 0] and draws[0, 0] != draws[0, 1]  # per rank, per epoch
     first, second = draws[0, 0][:2], draws[0, 0][2:4]  # batches 0 and 1 come from workers 0 and 1
     assert first != second
+
+
+def test_a_checkpoint_without_the_datamodule_state_resumes_mid_epoch_too(tiny_recipe, workdir):
+    """Checkpoints written before the datamodule carried the loader's position hold it only in
+    Lightning's loop state: resuming one continues the epoch where it stopped, not from its start."""
+    base = ["trainer.max_epochs=1", "logger.mode=disabled"]
+    seen_full, seen_a, seen_b = SeenSamples(), SeenSamples(), SeenSamples()
+    train(load_recipe(tiny_recipe, [*base, "name=full"]), [seen_full])
+    with pytest.raises(Preempted):
+        train(load_recipe(tiny_recipe, [*base, "name=part"]), [PreemptAtStep(1), seen_a])
+    (last,) = (workdir / "runs" / "part").glob("*/checkpoints/last.ckpt")
+    ckpt = torch.load(last, map_location="cpu", weights_only=True)
+    assert ckpt.pop("MultiTaskDataModule")  # as an older checkpoint: the position only in the loop state
+    torch.save(ckpt, last)
+    train(load_recipe(tiny_recipe, [*base, "name=part", "resume=auto"]), [seen_b])
+    assert seen_a.seen[0] + seen_b.seen[0] == seen_full.seen[0]
