@@ -8,6 +8,7 @@ Those launch processes (slow tier); one FSDP2 process, inside the test's own, ru
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,16 @@ def _close(a: dict, b: dict, what: str) -> None:
 
 
 def _train_here(recipe, workdir, name: str, overrides: list[str], monkeypatch) -> Path:
-    """``mmformer train`` in this process (as ``_train`` in a subprocess); the path of ``last.ckpt``."""
+    """``mmformer train`` in this process (as ``_train`` in a subprocess); the path of ``last.ckpt``.
+    Lightning leaves its rendezvous variables (``MASTER_PORT``, ``WORLD_SIZE``, …) in the environment:
+    they are removed again, or the multi-process tests after this one would inherit a port in use."""
     monkeypatch.setenv("MMFORMER_RUNS", str(workdir / "runs" / name))
-    assert main(["train", str(recipe), *overrides]) == 0
+    saved = dict(os.environ)
+    try:
+        assert main(["train", str(recipe), *overrides]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return next((workdir / "runs" / name).glob("*/*/checkpoints/last.ckpt"))
 
 
