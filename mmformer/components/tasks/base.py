@@ -49,6 +49,21 @@ def check_captions(cfg, recipe, where: str) -> None:
         )
 
 
+def decoding_args(cfg, ctx, modality: str) -> tuple:
+    """What a text-decoding task (``prefix_lm``, ``seq2seq``) takes after its model and modality: the
+    caption tokenizer, ``max_new_tokens`` (default ``data.max_len - 1``), beam size, length penalty, and
+    the main metric with its direction (default ``wer`` for audio, else ``exact_match``)."""
+    metric = cfg.main_metric or ("wer" if modality == "audio" else "exact_match")
+    max_new = cfg.max_new_tokens or max(1, (getattr(cfg.data, "max_len", None) or 48) - 1)
+    return (
+        ctx.text_tokenizer(cfg.caption_tokenizer),
+        max_new,
+        cfg.beam_size,
+        cfg.length_penalty,
+        (metric, "max" if metric == "exact_match" else "min"),
+    )
+
+
 def check_decoding(cfg) -> None:
     """The value checks shared by the tasks that decode text (``prefix_lm``, ``seq2seq``)."""
     positive(cfg, "beam_size", "max_new_tokens")

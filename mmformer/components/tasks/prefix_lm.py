@@ -14,7 +14,7 @@ from ...registry import register
 from ...tasks.prefix_lm import PrefixLMTask
 from ..context import BuildContext
 from ..tokenizers import modality_at_load
-from .base import CaptionedTaskParts, check_captions, check_decoding
+from .base import CaptionedTaskParts, check_captions, check_decoding, decoding_args
 
 
 @dataclass
@@ -83,16 +83,6 @@ class PrefixLMTaskConfig(CaptionedTaskParts):
                 )
 
 
-def decoding_metric(cfg, modality: str) -> tuple[str, str]:
-    """The main validation metric of a text-decoding task and its direction."""
-    metric = cfg.main_metric or ("wer" if modality == "audio" else "exact_match")
-    return metric, "max" if metric == "exact_match" else "min"
-
-
-def max_new_tokens(cfg) -> int:
-    return cfg.max_new_tokens or max(1, (getattr(cfg.data, "max_len", None) or 48) - 1)
-
-
 @register("task", "prefix_lm", PrefixLMTaskConfig)
 def build_prefix_lm(cfg: PrefixLMTaskConfig, ctx: BuildContext) -> PrefixLMTask:
     modality = ctx.tokenizer_modality(ctx.recipe.model.tokenizers[cfg.tokenizer])
@@ -100,12 +90,5 @@ def build_prefix_lm(cfg: PrefixLMTaskConfig, ctx: BuildContext) -> PrefixLMTask:
         raise RecipeError(
             f"tokenizer {cfg.tokenizer!r} cannot be a prefix: a prefix_lm task reads images or audio"
         )
-    return PrefixLMTask(
-        PrefixLM(cfg.tokenizer, cfg.caption_tokenizer, cfg.caption_head, cfg.projector),
-        modality,
-        ctx.text_tokenizer(cfg.caption_tokenizer),
-        max_new_tokens(cfg),
-        cfg.beam_size,
-        cfg.length_penalty,
-        decoding_metric(cfg, modality),
-    )
+    model = PrefixLM(cfg.tokenizer, cfg.caption_tokenizer, cfg.caption_head, cfg.projector)
+    return PrefixLMTask(model, modality, *decoding_args(cfg, ctx, modality))

@@ -14,8 +14,7 @@ from ...models.encoder_decoder import EncoderDecoder
 from ...registry import register
 from ...tasks.seq2seq import Seq2SeqTask
 from ..context import BuildContext
-from .base import CaptionedTaskParts, check_captions, check_decoding
-from .prefix_lm import decoding_metric, max_new_tokens
+from .base import CaptionedTaskParts, check_captions, check_decoding, decoding_args
 
 
 @dataclass
@@ -88,12 +87,5 @@ class Seq2SeqTaskConfig(CaptionedTaskParts):
 @register("task", "seq2seq", Seq2SeqTaskConfig)
 def build_seq2seq(cfg: Seq2SeqTaskConfig, ctx: BuildContext) -> Seq2SeqTask:
     modality = ctx.tokenizer_modality(ctx.recipe.model.tokenizers[cfg.tokenizer])
-    return Seq2SeqTask(
-        EncoderDecoder(cfg.tokenizer, cfg.caption_tokenizer, cfg.caption_head),
-        modality,
-        ctx.text_tokenizer(cfg.caption_tokenizer),
-        max_new_tokens(cfg),
-        cfg.beam_size,
-        cfg.length_penalty,
-        decoding_metric(cfg, modality),
-    )
+    model = EncoderDecoder(cfg.tokenizer, cfg.caption_tokenizer, cfg.caption_head)
+    return Seq2SeqTask(model, modality, *decoding_args(cfg, ctx, modality))
