@@ -183,16 +183,32 @@ def build_dit_head(cfg: DiTHeadConfig, d_model: int, tokenizer, ctx: BuildContex
     return DiTFinalLayer(d_model, tokenizer.patch_size, tokenizer.grid_size, out_chans)
 
 
+def _timm_classifier(cfg: PretrainedHeadConfig, head, report):
+    """A timm ViT's classifier (``head.*`` or ``head.fc.*``), or a new zero-initialised one for
+    ``num_classes`` (also when the file has none: a feature-extractor export). Raises ``RecipeError``
+    naming the file's ``head*`` keys when it has no classifier and ``num_classes`` is not set."""
+    if head.num_classes == 0 and cfg.num_classes is None:
+        seen = (
+            f"head-like keys in the file: {', '.join(report.head_keys)}; mmformer reads a classifier from "
+            "head.weight/bias or head.fc.weight/bias alone"
+            if report.head_keys
+            else "no head.* keys in the file"
+        )
+        raise RecipeError(
+            f"{cfg.source} carries no classifier to reuse ({seen}): set num_classes for a new "
+            "zero-initialised one, or add a new head (e.g. kind: classifier)"
+        )
+    return adapt_classifier(head, cfg.num_classes or head.num_classes, report)
+
+
 @register("head", "pretrained", PretrainedHeadConfig)
 def build_pretrained_head(cfg: PretrainedHeadConfig, d_model: int, tokenizer, ctx: BuildContext):
     pretrained = ctx.pretrained(cfg.source)
     heads = list(pretrained.model.heads.values())
+    if pretrained.family == "timm_vit":
+        return _timm_classifier(cfg, heads[0], timm_report(pretrained))
     if len(heads) != 1:
         raise RecipeError(f"{cfg.source} carries no head to reuse; add a new head (e.g. kind: classifier)")
-    if pretrained.family == "timm_vit":
-        return adapt_classifier(
-            heads[0], cfg.num_classes or heads[0].head.out_features, timm_report(pretrained)
-        )
     if cfg.num_classes is not None:
         raise RecipeError(f"num_classes applies to a timm ViT's classifier; {cfg.source} is not one")
     if tokenizer is not None and tokenizer not in pretrained.model.tokenizers.values():

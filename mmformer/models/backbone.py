@@ -169,11 +169,16 @@ class Backbone(nn.Module):
         Args:
             cond: ``(B, Dc)`` conditioning vector (adaLN blocks).
             context: Tokens to cross-attend to (cross-attention blocks); its padding is never read.
-            cache: KV cache; the new tokens follow the cached ones (their ``positions`` must continue).
+            cache: KV cache; the new tokens follow the cached ones, so their ``positions`` must continue
+                (``cache.next_positions(valid)``; ``Tokens.from_embeddings`` alone counts from 0).
             span: explicit bidirectional span ids ``(B, N)`` (prefix-LM over text); default from
                 ``bidirectional_modalities``.
 
-        Raises ``ValueError`` when a chunk starts inside a bidirectional span the cache already ends with.
+        Masks (``tokens.valid``, ``context.valid``) are bool, True = real token; another dtype raises
+        ``TypeError`` (``mmformer.nn.masks.require_bool``).
+        Raises ``ValueError`` when a chunk starts inside a bidirectional span the cache already ends with,
+        or, when attention reads positions (RoPE, ALiBi, a relative bias), when a row's new tokens do not
+        come after its cached ones (``_check_positions_continue``).
         """
         if self._decode_layout and (self.training or torch.is_grad_enabled()):
             self.restore_layout()  # gradients and the optimizer expect row-major weights
@@ -203,6 +208,8 @@ class Backbone(nn.Module):
                     "a bidirectional span (prefix-LM prefix, image or audio) must be prefilled in one "
                     "chunk: this chunk starts inside a span that the cache already ends with"
                 )
+        if past and (self.rope is not None or self.rel_bias is not None or self.positions.kind == "alibi"):
+            _check_positions_continue(tokens, cache)
         if past:
             valid = torch.cat([cache.valid, valid], dim=1)  # (B, Nk)
             document = torch.cat([cache.document, document], dim=1)
@@ -246,6 +253,24 @@ class Backbone(nn.Module):
         n = x.shape[1]
         n_context = context.x.shape[1] if context is not None else 0
         return inputs.prepared(kernels, n, past + n, x.shape[0], x.device, context_kernels, n_context)
+
+
+def _check_positions_continue(tokens: Tokens, cache: KVCache) -> None:
+    """Raises ``ValueError`` when a row's new real tokens of the document its cache ends in start at or
+    before that document's last cached real position: positions that restart (``Tokens.from_embeddings``
+    counts from 0) would make attention read the new tokens as the sequence's first ones. A new
+    document may restart its positions. One device sync per cached forward."""
+    doc = cache.document[:, -1:]  # (B, 1): the document the cache ends in
+    cached = cache.valid & (cache.document == doc)  # (B, Nk_past)
+    last = cache.positions[..., 0].masked_fill(~cached, -1).amax(dim=1)  # (B,), -1: none cached
+    new = tokens.valid & (tokens.document == doc)  # (B, N)
+    first = tokens.positions[..., 0].masked_fill(~new, torch.iinfo(torch.long).max).amin(dim=1)  # (B,)
+    if bool((first <= last).any()):
+        raise ValueError(
+            "with a KV cache the new tokens' positions must continue after the cached ones, but they "
+            "restart (Tokens.from_embeddings counts from 0): build them with "
+            "positions=cache.next_positions(valid)"
+        )
 
 
 def build_backbone(

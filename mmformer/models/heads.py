@@ -17,7 +17,8 @@ class ClassifierHead(nn.Module):
 
     Args:
         d_model: hidden width ``D``.
-        num_classes: ``K``.
+        num_classes: ``K``; ``0`` keeps no projection (``head`` is ``nn.Identity``): the output is the
+            pooled, ``fc_norm``-ed features ``(B, D)``, as timm's ``num_classes=0`` (a feature extractor).
         pool: ``"cls"`` takes the first token (the tokenizer's class token); ``"mean"`` averages the
             valid non-prefix tokens (timm ``global_pool="avg"``).
         num_prefix_tokens: tokens (class token, registers) excluded from mean pooling; the builder
@@ -26,8 +27,8 @@ class ClassifierHead(nn.Module):
         drop: dropout before the projection.
         norm_eps: LayerNorm epsilon of ``fc_norm``.
 
-    ``forward(hidden (B, N, D), tokens) → logits (B, K)`` float. Raises ``ValueError`` for ``pool="cls"``
-    when the tokenizer has no prefix token.
+    ``forward(hidden (B, N, D), tokens) → logits (B, K)`` float (``(B, D)`` features for ``K = 0``).
+    Raises ``ValueError`` for ``pool="cls"`` when the tokenizer has no prefix token, or ``num_classes < 0``.
     """
 
     def __init__(
@@ -45,16 +46,20 @@ class ClassifierHead(nn.Module):
             raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
         if pool == "cls" and num_prefix_tokens < 1:
             raise ValueError("pool='cls' needs a tokenizer with a class token (class_token: true)")
+        if num_classes < 0:
+            raise ValueError(f"num_classes must be >= 0, got {num_classes}")
+        self.d_model, self.num_classes = d_model, num_classes
         self.pool, self.num_prefix_tokens = pool, num_prefix_tokens
         self.fc_norm = nn.LayerNorm(d_model, eps=norm_eps) if fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop)
-        self.head = nn.Linear(d_model, num_classes)
+        self.head = nn.Linear(d_model, num_classes) if num_classes else nn.Identity()
         self.init_weights()
 
     def init_weights(self) -> None:
         """Zero-init projection so every class starts equally likely (timm ``init_weights(mode="jax")``)."""
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        if self.num_classes:
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
 
     def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
         if self.pool == "cls":

@@ -7,9 +7,13 @@ Shape legend: B batch, N tokens, D model width.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 
+from ..nn.kv_cache import KVCache
+from ..nn.masks import require_bool
 from ..nn.tokens import ConditionedTokens, Tokens
 from ..tokenizers import Tokenizer
 from .backbone import Backbone
@@ -61,7 +65,15 @@ class MultimodalModel(nn.Module):
         """Tokenize ``inputs`` with ``tokenizers[tokenizer]`` (extra keyword arguments such as a text
         ``valid`` mask go to it) and run the backbone, appending to ``cache`` when given.
 
-        Returns ``(hidden (B, N, D), tokens)``. Raises ``KeyError`` naming the known tokenizers.
+        ``valid`` is a bool mask, True = real token / sample. With a non-empty ``cache`` and no
+        ``positions``, a tokenizer that takes positions (text) gets ``cache.next_positions(valid)``: each
+        row continues from its cached real tokens, as HF's ``cache_position`` defaults to the past length
+        (so ``model(ids[:, -1:], …, cache=c)`` after a prefill equals the full forward's last position).
+
+        Returns ``(hidden (B, N, D), tokens)``. Raises ``KeyError`` naming the known tokenizers,
+        ``TypeError`` for a ``valid`` that is not bool, ``ValueError`` for ``document`` ids with a
+        non-empty cache and no ``positions`` (where each document restarts is the caller's to say), and
+        the backbone's ``ValueError`` for a cached step whose positions restart.
         """
         hidden, tokens, _ = self._run(tokenizer, inputs, cache, tokenizer_kwargs)
         return hidden, tokens
@@ -71,6 +83,10 @@ class MultimodalModel(nn.Module):
     ) -> tuple[Tensor, Tokens, Tensor | None]:
         if tokenizer not in self.tokenizers:
             raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
+        if kwargs.get("valid") is not None:
+            require_bool(kwargs["valid"], "valid")
+        if cache is not None and cache.length and kwargs.get("positions") is None:
+            kwargs = _continuing(self.tokenizers[tokenizer], inputs, cache, kwargs)
         tokens = self.tokenizers[tokenizer](inputs, **kwargs)
         cond = tokens.cond if isinstance(tokens, ConditionedTokens) else None  # DiT: (B, Dc)
         hidden = self.backbone_of(tokenizer)(
@@ -80,7 +96,8 @@ class MultimodalModel(nn.Module):
 
     def forward(self, inputs: Tensor, tokenizer: str, head: str, cache=None, **tokenizer_kwargs) -> Tensor:
         """``heads[head](backbone(tokenizers[tokenizer](inputs)))``. A conditioning tokenizer (DiT) returns
-        ``ConditionedTokens``: their ``cond (B, Dc)`` then reaches the backbone's adaLN blocks and the head."""
+        ``ConditionedTokens``: their ``cond (B, Dc)`` then reaches the backbone's adaLN blocks and the head.
+        ``cache``, ``valid`` and positions, and what is raised: as ``encode``."""
         hidden, tokens, cond = self._run(tokenizer, inputs, cache, tokenizer_kwargs)
         if cond is not None:
             return self.heads[head](hidden, tokens, cond)
@@ -102,6 +119,23 @@ class MultimodalModel(nn.Module):
             if module is not self and hasattr(module, "no_weight_decay"):
                 names |= {f"{prefix}.{n}" for n in module.no_weight_decay()}
         return names
+
+
+def _continuing(tok: nn.Module, inputs: Tensor, cache: KVCache, kwargs: dict) -> dict:
+    """``kwargs`` with ``positions`` that continue each row after ``cache`` (``KVCache.next_positions``)
+    for a tokenizer whose ``forward`` takes ``positions`` (``inputs``: ids ``(B, N)``); unchanged for
+    one that places its tokens itself (an image grid: the backbone checks those continue)."""
+    if "positions" not in inspect.signature(tok.forward).parameters:
+        return kwargs
+    if kwargs.get("document") is not None:
+        raise ValueError(
+            "document ids with a non-empty KV cache: pass positions too (where each document restarts "
+            "its positions after the cached tokens is the caller's to say)"
+        )
+    valid = kwargs.get("valid")
+    if valid is None:
+        valid = torch.ones(inputs.shape[:2], dtype=torch.bool, device=inputs.device)
+    return {**kwargs, "positions": cache.next_positions(valid)}
 
 
 def _row_major_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

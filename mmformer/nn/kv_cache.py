@@ -9,13 +9,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .masks import require_bool
+
 
 class KVCache:
     """Keys and values of past tokens, per layer, plus the per-token metadata masks need.
 
-    ``Backbone.forward(tokens, cache=cache)`` appends the new tokens; the cache never supplies positions
-    (the caller's Tokens do, counting on from the cache length). Keys and values of padding are stored
-    zeroed (``Attention`` zeroes them as they enter), so later steps need not zero the cache again.
+    ``Backbone.forward(tokens, cache=cache)`` appends the new tokens; their positions are the caller's
+    Tokens', which must count on from the cached ones (``next_positions`` gives them; ``MultimodalModel``
+    uses it when called without ``positions``, and the backbone refuses positions that restart). Keys and
+    values of padding are stored zeroed (``Attention`` zeroes them as they enter), so later steps need
+    not zero the cache again.
 
     Keys and values live in buffers with room to grow (capacity doubled when full, as a ``list``), so a
     decoding step writes its one new position instead of copying the whole cache (``torch.cat`` each
@@ -44,6 +48,19 @@ class KVCache:
     @property
     def length(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
+
+    def next_positions(self, valid: Tensor) -> Tensor:
+        """Positions ``(B, N, P)`` long of ``N`` new tokens, ``valid (B, N)`` bool, that follow the cached
+        ones: each row counts its real tokens on from its cached real tokens (``self.valid.sum(1)``, so
+        left padding is not counted; padding repeats its predecessor's index) — what
+        ``Tokens.from_embeddings`` gives the whole row, so a cached step equals the full forward. Rows of
+        a batch may hold different numbers of real tokens. ``P``: the cached positions' axes (1 when the
+        cache is empty). Raises ``TypeError`` when ``valid`` is not bool."""
+        require_bool(valid, "valid")
+        past = self.valid.sum(dim=1, keepdim=True) if self.valid is not None else 0  # (B, 1)
+        pos = (past + valid.long().cumsum(dim=1) - 1).clamp_min(0)  # (B, N)
+        n_axes = self.positions.shape[-1] if self.positions is not None else 1
+        return pos.unsqueeze(-1).expand(*valid.shape, n_axes)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append ``k, v (B, Hkv, Nq, Dh)`` for ``layer``; returns all keys and values so far (views)."""

@@ -2,6 +2,9 @@
 
 Convention everywhere in mmformer: ``True`` = may attend / is real. Conversions to other
 conventions (additive float masks, ``nn.MultiheadAttention``'s True = ignore) happen only here.
+Masks are bool tensors: every helper here (and ``MaskSpec``) raises ``TypeError`` for another dtype
+rather than convert it, since ``~`` of an integer 0/1 mask is a bitwise not (``~1 == -2``) and a float
+mask may be additive (0 / -inf) as well as 0/1; pass ``mask.bool()`` for a 0/1 mask.
 
 One rule function (``MaskSpec.allows``) decides whether query ``i`` may attend to key ``j``; the
 same function, evaluated on index grids, gives the dense mask for ``eager`` / ``sdpa`` and, as a
@@ -28,6 +31,17 @@ import torch
 from torch import Tensor
 
 
+def require_bool(mask: Tensor, name: str = "mask") -> Tensor:
+    """``mask`` itself when it is bool. Raises ``TypeError`` for any other dtype (see the module
+    docstring: masks are never converted implicitly)."""
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"{name} must be a bool mask (True = real token / may attend), got {mask.dtype}: "
+            f"pass {name}.bool() for a 0/1 mask"
+        )
+    return mask
+
+
 @dataclass(frozen=True)
 class MaskSpec:
     """Rules that decide whether query ``i`` may attend to key ``j`` (True = may attend).
@@ -41,6 +55,8 @@ class MaskSpec:
         q_offset: position of the first query among the keys (KV-cache decoding).
         sparse_layout: optional ``(Nq blocks, Nk blocks)`` bool, which key blocks each query block may
             read (BigBird, ``bigbird_layout``), in blocks of ``sparse_block`` tokens.
+
+    Raises ``TypeError`` when ``valid`` or ``sparse_layout`` is not bool (``require_bool``).
     """
 
     causal: bool = False
@@ -51,6 +67,12 @@ class MaskSpec:
     q_offset: int = 0
     sparse_layout: Tensor | None = None
     sparse_block: int = 0
+
+    def __post_init__(self) -> None:  # a dtype check only: no device sync
+        if self.valid is not None:
+            require_bool(self.valid, "valid")
+        if self.sparse_layout is not None:
+            require_bool(self.sparse_layout, "sparse_layout")
 
     @classmethod
     def from_tokens(
@@ -67,7 +89,9 @@ class MaskSpec:
         """Drop rules that allow everything, so kernels can take their fast path.
 
         ``valid.all()`` and the document / span checks sync with the device once per forward.
+        Raises ``TypeError`` when ``valid`` is not bool.
         """
+        require_bool(valid, "valid")
         keep_valid = None if bool(valid.all()) else valid
         keep_doc = None if bool((document == document[:, :1]).all()) else document
         keep_span = span if causal and span is not None and bool((span > 0).any()) else None
@@ -183,10 +207,13 @@ def bigbird_layout(
 
 
 def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """Bool mask (True = may attend) → additive float mask (0 or the dtype's most negative value)."""
+    """Bool mask (True = may attend) → additive float mask (0 or the dtype's most negative value).
+    Raises ``TypeError`` for a mask that is not bool."""
+    require_bool(mask)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def to_ignore(mask: Tensor) -> Tensor:
-    """Bool mask (True = may attend) → ``nn.MultiheadAttention`` convention (True = ignore)."""
-    return ~mask
+    """Bool mask (True = may attend) → ``nn.MultiheadAttention`` convention (True = ignore).
+    Raises ``TypeError`` for a mask that is not bool."""
+    return ~require_bool(mask)

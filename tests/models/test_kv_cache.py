@@ -174,3 +174,76 @@ def test_a_cache_told_its_capacity_allocates_once():
     assert cache._buffers[0][0] is buffer and torch.equal(cache.keys[0][:, :, :5], first)
     cache.update(0, torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))  # past the capacity: grows
     assert cache._buffers[0][0].shape[2] > 9 and cache.keys[0].shape[2] == 10
+
+
+def _text_lm(max_len=None, **backbone):
+    """A causal text model through ``MultimodalModel`` (tokenizer ``text``, head ``lm``)."""
+    from mmformer.models import MultimodalModel
+    from mmformer.models.heads import LMHead
+    from mmformer.tokenizers.text import TextEmbedding
+
+    torch.manual_seed(0)
+    text = TextEmbedding(V, D, max_len=max_len)
+    if max_len:
+        torch.nn.init.normal_(text.pos_embed.weight, std=1.0)  # positions that matter to every logit
+    trunk = build_backbone(D, 2, AttentionConfig(4), causal=True, **backbone)
+    return MultimodalModel({"text": text}, trunk, {"lm": LMHead(D, V)}).eval()
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [dict(positions=PositionConfig("rope")), dict(max_len=16)],
+    ids=["rope", "learned_absolute"],
+)
+def test_a_cached_step_without_positions_continues_from_the_cache(variant):
+    """``model(ids, …, cache=c)`` without ``positions=``: the new token is position 11 after 11 cached
+    ones (as HF's ``cache_position`` defaults to the past length), not 0."""
+    model = _text_lm(**variant)
+    ids = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids, "text", "lm")[:, -1]
+        cache = KVCache()
+        model(ids[:, :11], "text", "lm", cache=cache)
+        step = model(ids[:, 11:], "text", "lm", cache=cache)[:, -1]
+    torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_steps_without_positions_continue_each_left_padded_row():
+    """Rows of a left-padded prompt batch hold different numbers of real tokens (11 and 6): each row's
+    next token continues from its own count, ``cache.valid.sum(1)``."""
+    model = _text_lm(max_len=16, positions=PositionConfig("rope"))
+    ids = torch.randint(1, V, (2, 13), generator=torch.Generator().manual_seed(3))
+    valid = torch.ones(2, 13, dtype=torch.bool)
+    valid[1, :5] = False
+    with torch.no_grad():
+        full = model(ids, "text", "lm", valid=valid)[:, -2:]
+        cache = KVCache()
+        model(ids[:, :11], "text", "lm", cache=cache, valid=valid[:, :11])
+        steps = [model(ids[:, t : t + 1], "text", "lm", cache=cache)[:, -1] for t in (11, 12)]
+    torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-5, rtol=1e-5)
+    assert cache.positions[:, -2:, 0].tolist() == [[11, 12], [6, 7]]
+
+
+def test_a_cached_step_with_documents_and_no_positions_is_refused():
+    model = _text_lm(positions=PositionConfig("rope"))
+    ids = torch.randint(1, V, (1, 4), generator=torch.Generator().manual_seed(4))
+    cache = KVCache()
+    with torch.no_grad():
+        model(ids[:, :3], "text", "lm", cache=cache)
+        with pytest.raises(ValueError, match="pass positions"):
+            model(ids[:, 3:], "text", "lm", cache=cache, document=torch.ones(1, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["rope", "alibi", "t5"])
+def test_backbone_tokens_whose_positions_restart_after_the_cache_are_refused(kind):
+    """``Tokens.from_embeddings`` counts from 0: fed after cached tokens to a backbone whose attention reads
+    positions, that would silently read the new token as the first one."""
+    backbone = build_backbone(D, 1, AttentionConfig(4), causal=True, positions=PositionConfig(kind)).eval()
+    x = torch.randn(2, 4, D)
+    cache = KVCache()
+    with torch.no_grad():
+        backbone(Tokens.from_embeddings(x[:, :3], 0), cache=cache)
+        with pytest.raises(ValueError, match=r"must continue.*restart.*cache\.next_positions"):
+            backbone(Tokens.from_embeddings(x[:, 3:], 0), cache=cache)
+        step = Tokens.from_embeddings(x[:, 3:], 0, positions=cache.next_positions(torch.ones(2, 1).bool()))
+        torch.testing.assert_close(backbone(step, cache=cache), backbone(Tokens.from_embeddings(x, 0))[:, 3:])

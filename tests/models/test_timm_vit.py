@@ -198,3 +198,67 @@ def test_export_refuses_what_timm_cannot_express(tmp_path):
     out = save_timm_vit(model, vit_config(model), tmp_path / "odd")
     ref = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
     _close(model, ref, _pixels())
+
+
+def _rename_head_fc(src):
+    """``src``'s classifier moved from ``head.*`` to ``head.fc.*``: the layout of timm's ``ClassifierHead``
+    / ``NormMlpClassifierHead``. No timm VisionTransformer builds its head from them (``head`` is a plain
+    Linear), so this layout (a checkpoint converted from such a model) is made by renaming the file's keys."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(src / "model.safetensors"))
+    sd = {(f"head.fc.{k[5:]}" if k.startswith("head.") else k): v for k, v in sd.items()}
+    save_file(sd, str(src / "model.safetensors"))
+    return src
+
+
+@pytest.mark.parametrize("model_args", [{}, {"global_pool": "avg"}], ids=["token", "avg_fc_norm"])
+def test_a_head_fc_layout_loads_its_classifier_with_logit_parity(tmp_path, model_args):
+    from mmformer.models.pretrained.timm_vit import describe_timm_vit
+
+    ref, src = _timm_dir(tmp_path, **model_args)
+    _rename_head_fc(src)
+    assert describe_timm_vit(src)["num_classes"] == 5  # from the file's header alone
+    ours, config, report = load_timm_vit(src)
+    _close(ours, ref, _pixels())
+    assert config["num_classes"] == 5 and report.new == [] and report.ignored == []
+    assert report.head_keys == ["head.fc.bias", "head.fc.weight"]
+
+
+def test_a_headless_file_loads_as_timm_features_and_takes_a_new_zero_classifier(tmp_path):
+    """A feature-extractor export (``num_classes=0``: no ``head.*``, its ``fc_norm`` kept): mmformer's
+    model gives timm's pooled features; asked for 5 classes it adds a zero-initialised classifier after
+    the file's own ``fc_norm``."""
+    args = {**TINY_VIT, "global_pool": "avg"}
+    ref = _randomise(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, **args))
+    src = save_timm_dir(ref, tmp_path / "headless", args)
+    features, config, report = load_timm_vit(src)
+    assert config["num_classes"] == 0 and report.ignored == [] and report.head_keys == []
+    _close(features, ref, _pixels())  # (B, 48) pooled features, as timm's forward
+    ours, config, report = load_timm_vit(src, num_classes=5)
+    head = ours.heads["cls"]
+    assert config["num_classes"] == 5 and sorted(report.new) == ["head.bias", "head.weight"]
+    assert torch.count_nonzero(head.head.weight) == 0 and torch.count_nonzero(head.head.bias) == 0
+    assert torch.equal(head.fc_norm.weight, ref.fc_norm.weight)  # the file's, not a fresh LayerNorm
+    assert "no classifier: a new zero-initialised one for 5 classes" in str(report)
+    with torch.no_grad():
+        assert torch.equal(ours(_pixels(), "image", "cls"), torch.zeros(3, 5))
+
+
+def test_a_head_mmformer_cannot_express_is_not_taken_for_a_classifier(tmp_path):
+    """``NormMlpClassifierHead``'s layout (a norm before ``head.fc``): loading ``head.fc`` alone would drop
+    the norm and change every logit, so no classifier is loaded and the keys are reported."""
+    from safetensors.torch import load_file, save_file
+
+    from mmformer.models.pretrained.timm_vit import describe_timm_vit
+
+    _, src = _timm_dir(tmp_path)
+    _rename_head_fc(src)
+    sd = load_file(str(src / "model.safetensors"))
+    sd["head.norm.weight"], sd["head.norm.bias"] = torch.ones(48), torch.zeros(48)
+    save_file(sd, str(src / "model.safetensors"))
+    assert describe_timm_vit(src)["num_classes"] == 0
+    ours, config, report = load_timm_vit(src)
+    assert config["num_classes"] == 0
+    assert report.head_keys == ["head.fc.bias", "head.fc.weight", "head.norm.bias", "head.norm.weight"]
+    assert sorted(report.ignored) == report.head_keys

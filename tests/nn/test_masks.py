@@ -1,5 +1,6 @@
 """Mask rules give exactly the expected patterns (True = may attend)."""
 
+import pytest
 import torch
 
 from mmformer.models.backbone import modality_spans
@@ -73,3 +74,39 @@ def test_modality_spans_number_each_run():
     spans = modality_spans(modality, (image, audio))
     assert spans[0].tolist() == [0, 1, 1, 0, 2, 3, 3, 0]
     assert modality_spans(modality, ()) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.uint8, torch.float32])
+def test_masks_that_are_not_bool_are_refused_with_the_convention(dtype):
+    """``~`` of an integer 0/1 mask is a bitwise not (``[-2, -1]``), not a logical one: every mask helper
+    refuses a non-bool mask instead of inverting it."""
+    from mmformer.nn.masks import to_additive, to_ignore
+
+    mask = torch.tensor([[1, 0]], dtype=dtype)
+    doc = torch.zeros(1, 2, dtype=torch.long)
+    calls = {
+        "to_ignore": lambda: to_ignore(mask),
+        "to_additive": lambda: to_additive(mask, torch.float32),
+        "MaskSpec": lambda: MaskSpec(valid=mask),
+        "from_tokens": lambda: MaskSpec.from_tokens(mask, doc, causal=True),
+        "sparse_layout": lambda: MaskSpec(sparse_layout=mask, sparse_block=1),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=r"bool.*True = .*\.bool\(\)"):
+            call()
+            pytest.fail(name)
+    assert to_ignore(mask.bool()).tolist() == [[False, True]]
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.float32])
+def test_a_model_refuses_a_valid_mask_that_is_not_bool(dtype):
+    from mmformer.models import AttentionConfig, MultimodalModel, build_backbone
+    from mmformer.models.heads import LMHead
+    from mmformer.tokenizers.text import TextEmbedding
+
+    model = MultimodalModel(
+        {"text": TextEmbedding(20, 16)}, build_backbone(16, 1, AttentionConfig(2)), {"lm": LMHead(16, 20)}
+    )
+    ids = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"valid must be a bool mask.*valid\.bool\(\)"):
+        model(ids, "text", "lm", valid=torch.tensor([[0, 1, 1]], dtype=dtype))

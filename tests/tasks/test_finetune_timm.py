@@ -105,3 +105,88 @@ def test_a_gradient_reaching_a_frozen_part_is_dropped_before_the_step():
     trainer.current_epoch = 1
     callback.on_train_epoch_start(trainer, model)
     assert model["backbone"].weight.requires_grad
+
+
+def _build_head(src, num_classes=None):
+    """The recipe's ``heads: {cls: {kind: pretrained, source: src, num_classes: …}}`` through its builder,
+    and the model the recipe composes from the same source (its tokenizer and backbone, that head)."""
+    from mmformer.components.context import BuildContext
+    from mmformer.components.heads import PretrainedHeadConfig, build_pretrained_head
+    from mmformer.models import MultimodalModel
+
+    ctx = BuildContext(None)
+    head = build_pretrained_head(
+        PretrainedHeadConfig(source=str(src), num_classes=num_classes), 48, None, ctx
+    )
+    pretrained = ctx.pretrained(str(src))
+    model = MultimodalModel(dict(pretrained.model.tokenizers), pretrained.model.backbone, {"cls": head})
+    return model.eval(), pretrained.report
+
+
+def _randomised(**kwargs):
+    from tests.conftest import TINY_VIT
+
+    torch.manual_seed(0)
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**TINY_VIT, **kwargs})
+    for p in ref.parameters():  # timm zero-inits heads: randomise everything
+        torch.nn.init.normal_(p, std=0.05)
+    return ref.eval()
+
+
+def _save(ref, out, rename=lambda k: k, **model_args):
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import TINY_VIT, save_timm_dir
+
+    src = save_timm_dir(ref, out, {**TINY_VIT, **model_args})
+    sd = load_file(str(src / "model.safetensors"))
+    save_file({rename(k): v for k, v in sd.items()}, str(src / "model.safetensors"))
+    return src
+
+
+def test_pretrained_head_of_a_head_fc_file_gives_timms_logits(workdir):
+    """timm's ``ClassifierHead`` layout (``head.fc.*``; made by renaming a VisionTransformer's ``head.*``:
+    no timm ViT builds its head from ClassifierHead) is the classifier to reuse."""
+    ref = _randomised(num_classes=5, global_pool="avg")
+    to_fc = lambda k: f"head.fc.{k[5:]}" if k.startswith("head.") else k  # noqa: E731
+    src = _save(ref, workdir / "head_fc", to_fc, global_pool="avg")
+    model, _ = _build_head(src)
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, "image", "cls"), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_pretrained_head_of_a_headless_file_is_a_new_zero_classifier(workdir):
+    ref = _randomised(num_classes=0, global_pool="avg")  # a feature-extractor export: no head.* keys
+    src = _save(ref, workdir / "headless", global_pool="avg")
+    model, report = _build_head(src, num_classes=5)
+    head = model.heads["cls"]
+    assert head.head.weight.shape == (5, 48) and torch.count_nonzero(head.head.weight) == 0
+    assert torch.count_nonzero(head.head.bias) == 0
+    assert torch.equal(head.fc_norm.weight, ref.fc_norm.weight)  # the file's fc_norm, loaded
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(x, "image", "cls"), torch.zeros(3, 5))
+    printed = str(report)
+    assert (
+        "new      head.weight" in printed
+        and "no classifier: a new zero-initialised one for 5 classes" in printed
+    )
+
+
+def test_pretrained_head_that_cannot_be_found_names_the_keys_seen(workdir):
+    from mmformer.errors import RecipeError
+
+    src = _save(_randomised(num_classes=0), workdir / "headless")
+    with pytest.raises(
+        RecipeError, match=r"no classifier to reuse \(no head\.\* keys in the file\).*num_classes"
+    ):
+        _build_head(src)
+    odd = lambda k: f"head.linear.{k[5:]}" if k.startswith("head.") else k  # noqa: E731
+    src = _save(_randomised(num_classes=5), workdir / "odd", odd)
+    with pytest.raises(
+        RecipeError, match=r"head-like keys in the file: head\.linear\.bias, head\.linear\.weight"
+    ):
+        _build_head(src)
+    model, _ = _build_head(src, num_classes=3)  # a new classifier replaces whatever was there
+    assert torch.count_nonzero(model.heads["cls"].head.weight) == 0

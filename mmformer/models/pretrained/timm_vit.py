@@ -4,6 +4,13 @@ mmformer's ViT (``ViTPatchTokenizer`` → pre-LN ``Backbone`` → ``ClassifierHe
 names, so a timm state dict maps onto it by prefix alone (``patch_embed.``/``cls_token``/``pos_embed``
 → the image tokenizer, ``blocks.``/``norm.`` → the backbone, ``fc_norm.``/``head.`` → the classifier).
 
+Heads: the classifier is ``head.weight``/``head.bias`` (VisionTransformer's Linear) or ``head.fc.*``
+(the layout of timm's ``ClassifierHead`` / ``NormMlpClassifierHead``). A file without one — a
+feature-extractor export (``num_classes=0``), or a head with more than a projection (a norm or an MLP
+before ``head.fc``, which mmformer's classifier does not implement) — loads as timm's ``num_classes=0``
+model: head ``cls`` returns the pooled, ``fc_norm``-ed features ``(B, D)``, and asking for classes adds
+a new zero-initialised projection. ``LoadReport.head_keys`` names the file's ``head*`` tensors.
+
 Sources (``load_timm_vit``):
   * a directory in timm's Hugging Face layout — ``config.json`` (``architecture``, ``num_classes``,
     ``model_args``, ``pretrained_cfg`` with ``input_size``/``mean``/``std``) beside ``model.safetensors``
@@ -48,24 +55,30 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pth")
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 TOKENIZER_KEYS = ("patch_embed.", "cls_token", "pos_embed")
 HEAD_KEYS = ("fc_norm.", "head.")
+CLASSIFIER_PREFIXES = ("head.", "head.fc.")  # VisionTransformer's Linear; timm's ClassifierHead layout
 
 
 @dataclass
 class LoadReport:
     """What a load did to each parameter: ``loaded`` as is, ``resized`` (name, old shape, new shape,
-    how), ``new`` (initialised here), ``ignored`` (in the checkpoint, not used)."""
+    how), ``new`` (initialised here), ``ignored`` (in the checkpoint, not used); ``head_keys``: the
+    file's ``head*`` tensor names as stored (sorted), ``notes``: decisions worth a line (a new classifier
+    for a file that has none)."""
 
     source: str
     loaded: list[str] = field(default_factory=list)
     resized: list[tuple[str, tuple, tuple, str]] = field(default_factory=list)
     new: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    head_keys: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"timm ViT {self.source}: {len(self.loaded)} tensors loaded"]
         lines += [f"  resized  {n}: {list(a)} → {list(b)} ({how})" for n, a, b, how in self.resized]
         lines += [f"  new      {n} (initialised here)" for n in self.new]
         lines += [f"  ignored  {n}" for n in self.ignored]
+        lines += [f"  note     {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -142,15 +155,39 @@ def _source(path: Path) -> tuple[dict, Path]:
     return {"architecture": name.group(1), "pretrained_cfg": pcfg}, path
 
 
+def classifier_prefix(keys) -> str | None:
+    """Where a timm state dict with tensor names ``keys`` keeps its classifier: ``"head."`` (a
+    VisionTransformer's Linear) or ``"head.fc."`` (timm's ``ClassifierHead`` layout), when its ``head.*``
+    tensors are exactly that projection's weight (and bias); None otherwise — no head, or one with more
+    than a projection (``NormMlpClassifierHead``'s ``head.norm``, ``head.pre_logits``), which loading the
+    projection alone would silently change."""
+    head = {k for k in keys if k.startswith("head.")}
+    for prefix in CLASSIFIER_PREFIXES:
+        if f"{prefix}weight" in head and head <= {f"{prefix}weight", f"{prefix}bias"}:
+            return prefix
+    return None
+
+
+def _as_vit_head(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with a ``head.fc.*`` classifier renamed to VisionTransformer's ``head.*``; a head that is
+    not a plain projection is left as is (it loads nowhere: reported as ignored)."""
+    if classifier_prefix(state) != "head.fc.":
+        return state
+    return {(f"head.{k[8:]}" if k.startswith("head.fc.") else k): v for k, v in state.items()}
+
+
 def _head_classes(weights: Path, state: dict[str, Tensor] | None) -> int:
-    """The rows of ``head.weight`` (0 when headless), from the state or the file's header alone."""
+    """The rows of the classifier's weight (0 when the file has none, see ``classifier_prefix``), from
+    the state or the file's header alone."""
     if state is not None:
-        return int(state["head.weight"].shape[0]) if "head.weight" in state else 0
+        prefix = classifier_prefix(state)
+        return int(state[f"{prefix}weight"].shape[0]) if prefix else 0
     if weights.suffix == ".safetensors":
         from safetensors import safe_open
 
         with safe_open(str(weights), "pt") as f:
-            return int(f.get_slice("head.weight").get_shape()[0]) if "head.weight" in f.keys() else 0
+            prefix = classifier_prefix(f.keys())
+            return int(f.get_slice(f"{prefix}weight").get_shape()[0]) if prefix else 0
     return _head_classes(weights, read_state_dict(weights))
 
 
@@ -273,7 +310,8 @@ def _tokenizer(config: dict) -> ViTPatchTokenizer:
 
 def build_timm_vit(config: dict) -> MultimodalModel:
     """An mmformer ViT from :func:`describe_timm_vit`'s description (random weights): tokenizer
-    ``image``, and head ``cls`` when ``num_classes > 0``."""
+    ``image`` and head ``cls`` — the classifier, or for ``num_classes == 0`` timm's feature head (the
+    pooled, ``fc_norm``-ed features ``(B, D)``; it carries the file's ``fc_norm``)."""
     tokenizer = _tokenizer(config)
     backbone = build_backbone(
         config["d_model"],
@@ -284,17 +322,15 @@ def build_timm_vit(config: dict) -> MultimodalModel:
         norm_eps=config["norm_eps"],
         final_norm=config["final_norm"],
     )
-    heads = {}
-    if config["num_classes"]:
-        heads["cls"] = ClassifierHead(
-            config["d_model"],
-            config["num_classes"],
-            pool="cls" if config["global_pool"] == "token" else "mean",
-            num_prefix_tokens=tokenizer.num_prefix_tokens,
-            fc_norm=config["fc_norm"],
-            norm_eps=config["norm_eps"],
-        )
-    return MultimodalModel({"image": tokenizer}, backbone, heads)
+    head = ClassifierHead(
+        config["d_model"],
+        config["num_classes"],
+        pool="cls" if config["global_pool"] == "token" else "mean",
+        num_prefix_tokens=tokenizer.num_prefix_tokens,
+        fc_norm=config["fc_norm"],
+        norm_eps=config["norm_eps"],
+    )
+    return MultimodalModel({"image": tokenizer}, backbone, {"cls": head})
 
 
 def timm_to_mmformer(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -396,6 +432,8 @@ def adapt_state_dict(
         for k in ("head.weight", "head.bias"):
             if k in state:
                 report.ignored.append(f"{k} {list(state.pop(k).shape)} (replaced: {num_classes} classes)")
+        if not config["num_classes"]:
+            report.notes.append(_new_head_note(num_classes))
         config["num_classes"] = num_classes
     return state, config
 
@@ -418,7 +456,8 @@ def load_timm_vit(
     timm_cfg, weights = _source(path)
     state = read_state_dict(weights)
     config = _describe(timm_cfg, _head_classes(weights, state))
-    report = LoadReport(str(path))
+    report = LoadReport(str(path), head_keys=sorted(k for k in state if k.startswith("head")))
+    state = _as_vit_head(state)
     state, config = adapt_state_dict(state, config, report, image_size, in_chans, num_classes)
     model = build_timm_vit(config)
     mapped = timm_to_mmformer(state)
@@ -472,20 +511,27 @@ def adapt_tokenizer(
     return out, new
 
 
+def _new_head_note(num_classes: int) -> str:
+    return f"the file has no classifier: a new zero-initialised one for {num_classes} classes"
+
+
 def adapt_classifier(head: ClassifierHead, num_classes: int, report: LoadReport) -> ClassifierHead:
     """The loaded classifier, or a copy with a new zero-initialised projection for ``num_classes``
-    (its pooling and ``fc_norm`` kept)."""
-    old = head.head.out_features
+    (its pooling and ``fc_norm`` kept); from a feature head (``num_classes == 0``: the file has no
+    classifier) the new one is noted in ``report``."""
+    old, width = head.num_classes, head.d_model
     if num_classes == old:
         return head
     pool = "cls" if head.pool == "cls" else "mean"
     fc_norm = not isinstance(head.fc_norm, nn.Identity)
     eps = head.fc_norm.eps if fc_norm else 1e-6
-    out = ClassifierHead(
-        head.head.in_features, num_classes, pool, head.num_prefix_tokens, fc_norm, norm_eps=eps
-    )
+    out = ClassifierHead(width, num_classes, pool, head.num_prefix_tokens, fc_norm, norm_eps=eps)
     if fc_norm:
         out.fc_norm.load_state_dict(head.fc_norm.state_dict())
-    report.ignored.append(f"head.weight [{old}, {head.head.in_features}] (replaced: {num_classes} classes)")
+    if old:
+        report.ignored.append(f"head.weight [{old}, {width}] (replaced: {num_classes} classes)")
+    else:
+        report.notes.append(_new_head_note(num_classes))
     report.new += ["head.weight", "head.bias"]
-    return out.to(head.head.weight.dtype)
+    dtype = next((p.dtype for p in head.parameters()), torch.get_default_dtype())
+    return out.to(dtype)
