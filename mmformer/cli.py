@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 from .data.roots import DataError, DataNotFoundError
-from .errors import RecipeError, UsageError
+from .errors import RecipeError, SourceNotFoundError, UsageError
 
 log = logging.getLogger("mmformer")
 
@@ -225,11 +225,22 @@ def main(argv: list[str] | None = None) -> int:
         rc = command(args)
     except (RecipeError, DataError, DataNotFoundError, FileNotFoundError, UsageError) as e:
         msg = e.args[0] if e.args else str(e)
-        print(f"mmformer: error: {msg}", file=sys.stderr)
+        print(f"mmformer: error: {msg}{_source_steps(e, args)}", file=sys.stderr)
         return 2
     if not had_group and _process_group_initialized():
         _close_process_group()
     return rc
+
+
+def _source_steps(e: Exception, args) -> str:
+    """For a pretrained source that does not exist: the steps of the recipe's header that create it
+    (``# Source: mmformer train …`` then ``mmformer export …``), or ``""``."""
+    if not isinstance(e, SourceNotFoundError) or getattr(args, "recipe", None) is None:
+        return ""
+    from .recipe.loading import header_steps
+
+    steps = header_steps(args.recipe, e.source)
+    return f"; the recipe's header creates it: run {', then '.join(steps)}" if steps else ""
 
 
 def _process_group_initialized() -> bool:

@@ -38,5 +38,14 @@ def non_negative_weight(cfg) -> None:
         raise ValueError(f"weight must be >= 0, got {cfg.weight}")
 
 
+class SourceNotFoundError(RecipeError):
+    """A pretrained ``source`` the recipe names that is neither a path here nor a known name; ``source``
+    is the recipe's text (the CLI adds the recipe header's steps that create it)."""
+
+    def __init__(self, message: str, source: str):
+        super().__init__(message)
+        self.source = source
+
+
 class UsageError(Exception):
     """Bad command-line input; the CLI prints it as one ``mmformer: error:`` line (exit status 2)."""

@@ -16,6 +16,7 @@ from ..training.callbacks import BadSampleReport, EMAWeights, MediaSamples, Thro
 from ..training.checkpoint_io import AtomicCheckpointIO, LastCheckpoint
 from ..training.freeze import FreezePretrained
 from ..training.fsdp2 import FSDP2Strategy
+from ..training.history import ResumableHistory
 from ..training.loggers import build_loggers
 from ..training.preemption import StopOnSignal
 from ..training.runs import Run, RunFolder
@@ -159,6 +160,7 @@ def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=())
             *last,
             stop,
             ThroughputLogger(),
+            ResumableHistory(),
             BadSampleReport(),
             MediaSamples(),
             *ema,

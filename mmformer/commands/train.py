@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ..build import BuildContext, build_datamodule, build_module, build_trainer
 from ..recipe import load_recipe, recipe_to_yaml
 from ..training.callbacks import LastValidationStep
-from ..training.loggers import finish_loggers
+from ..training.loggers import check_wandb_login, finish_loggers
 from ..training.preemption import Preempted
 from ..training.runs import RESUME_ENV, RUN_ID_ENV, describe_resume, open_run
 from ..training.sharded import read_meta
@@ -57,7 +57,9 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
 
     Ends with a validation of the final weights when the last step was not already validated.
     ``verbose`` prints the resolved recipe, the model's size and FLOPs, and what is resumed.
+    Raises ``UsageError`` at once, before any data is read, for W&B online without an API key.
     """
+    check_wandb_login(recipe.logger.mode)
 
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     run = open_run(recipe.name, recipe.resume)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..data.audio import manifest_rows
 from ..data.image_caption import read_captions
 from ..data.roots import resolve_root
 from ..data.text import corpus_split
-from ..errors import RecipeError
+from ..errors import RecipeError, SourceNotFoundError
 from ..models.pretrained import (
     FAMILY_MODALITY,
     Pretrained,
@@ -41,6 +42,15 @@ ARCHITECTURES = {
     "whisper": build_whisper_encoder,
     "timm_vit": build_timm_vit,
 }
+
+
+def _model_parts(recipe):
+    """``(key, config)`` of every model part: backbone, towers, tokenizers, heads."""
+    m = recipe.model
+    yield "model.backbone", m.backbone
+    yield from ((f"model.towers.{n}", c) for n, c in m.towers.items())
+    yield from ((f"model.tokenizers.{n}", c) for n, c in m.tokenizers.items())
+    yield from ((f"model.heads.{n}", c) for n, c in m.heads.items())
 
 
 class BuildContext:
@@ -74,7 +84,7 @@ class BuildContext:
         """The weights of ``source``, loaded once per file however the recipe spells it (or rebuilt
         from a checkpoint's pinned architecture)."""
         pinned = self.pinned_pretrained.get(source)
-        key = source if pinned else str(resolve_pretrained(source).resolve())
+        key = source if pinned else str(self._resolved(source).resolve())
         if key not in self.loaded:
             if pinned:
                 model = ARCHITECTURES[pinned["family"]](pinned["config"])
@@ -83,6 +93,17 @@ class BuildContext:
                 self.loaded[key] = load_pretrained(source)
                 self.loaded[key].source = source
         return self.loaded[key]
+
+    def _resolved(self, source: str) -> Path:
+        """``resolve_pretrained(source)``; raises ``SourceNotFoundError`` naming the recipe keys that
+        hold ``source`` (``model.backbone.source`` …), not the part of the build that read it first."""
+        try:
+            return resolve_pretrained(source)
+        except FileNotFoundError as e:
+            parts = _model_parts(self.recipe)
+            keys = [f"'{k}.source'" for k, c in parts if getattr(c, "source", None) == source]
+            what = f"{source!r} does not exist" if "/" in source or source.startswith(".") else e.args[0]
+            raise SourceNotFoundError(f"{', '.join(keys) or 'source'}: {what}", source) from None
 
     def pretrained_configs(self) -> dict[str, dict]:
         """``{source: {"family", "config"}}`` of every source this build used: checkpoints carry it."""
@@ -94,7 +115,7 @@ class BuildContext:
         pinned = self.pinned_pretrained.get(source)
         if pinned:
             return pinned["config"]
-        key = str(resolve_pretrained(source).resolve())
+        key = str(self._resolved(source).resolve())
         if key not in self._source_configs:
             timm = pretrained_family(source) == "timm_vit"
             self._source_configs[key] = describe_timm_vit(key) if timm else self.pretrained(source).config
@@ -105,6 +126,8 @@ class BuildContext:
         family; every other config declares ``modality``, default ``image``)."""
         if cfg.kind == "pretrained":
             pinned = self.pinned_pretrained.get(cfg.source)
+            if not pinned:
+                self._resolved(cfg.source)
             return FAMILY_MODALITY[pinned["family"] if pinned else pretrained_family(cfg.source)]
         return getattr(cfg, "modality", "image")
 
@@ -147,6 +170,7 @@ class BuildContext:
         recipe = self.recipe
         cfg = recipe.model.tokenizers[name]
         if cfg.kind == "pretrained":
+            self._resolved(cfg.source)
             return self._cached(f"pretrained:{cfg.source}", lambda: load_pretrained_tokenizer(cfg.source))
         if cfg.path:
             return self._cached(f"file:{cfg.path}", lambda: TextTokenizer.from_file(cfg.path))

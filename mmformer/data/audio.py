@@ -4,27 +4,60 @@ image folders) and JSONL manifests (``root/<split>.jsonl``, one ``{"audio": path
 
 Samples are decoded, downmixed, resampled and cropped by the tokenizer's data side
 (``AudioPreprocess``); batches are padded to their longest clip: ``audio (B, S)`` float32,
-``audio_valid (B, S)`` bool (True = real sample), ``label (B,)`` long. An unreadable clip is reported
-with its path, replaced by the next readable one and counted (``bad_samples``), as for images.
+``audio_valid (B, S)`` bool (True = real sample), ``label (B,)`` long. Every container libsndfile reads
+is a clip (``folders.audio_extensions``: wav, flac, ogg / oga, mp3, aiff, …). An unreadable clip —
+one soundfile cannot decode, or one cut short inside its data chunk (``check_complete``), which
+libsndfile would read silently as a shorter clip — follows the folder rule (``bad_samples``), as images.
 """
 
 from __future__ import annotations
 
-import logging
+import re
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
 from ..tokenizers.audio import AudioDecodeError, AudioPreprocess
+from .bad_samples import STAND_IN, first_readable
 from .datamodule import TaskData
-from .jsonl import read_jsonl
+from .folders import audio_extensions, class_files, split_folder
+from .jsonl import label_field, read_jsonl, text_field
 from .roots import DataError, resolve_root
 
-log = logging.getLogger("mmformer.data")
+# libsndfile's log of a chunk longer than the file: "data : 3200 (should be 956)" (WAV), "SSND : …" (AIFF)
+_CUT_CHUNK = re.compile(r"^\s*(data|SSND)\s*:\s*(\d+)\s*\(should be (\d+)\)", re.MULTILINE)
+# a size streaming writers put in a header they cannot seek back to (0, 0x7ffff000, 0xffffffff): not a cut
+_UNKNOWN_SIZE = 0x7FFFF000
 
-AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif")
-MAX_CONSECUTIVE_BAD = 50
+
+def check_complete(source, name: str | None = None) -> None:
+    """Raise ``AudioDecodeError`` naming ``name`` (default: the path) when ``source`` (a path, or a seekable
+    binary file, left where it was) is cut short inside its data chunk. libsndfile reads such a file
+    without an error, as a clip of the samples that are there; its header log still holds the size the
+    writer declared."""
+    import soundfile
+
+    start = source.tell() if hasattr(source, "read") else None
+    try:
+        log_text = soundfile.info(source if start is not None else str(source)).extra_info
+    except Exception:  # unreadable altogether: decoding names it
+        return
+    finally:
+        if start is not None:
+            source.seek(start)
+    for chunk, declared, holds in _CUT_CHUNK.findall(log_text):
+        if int(holds) < int(declared) < _UNKNOWN_SIZE:
+            raise AudioDecodeError(
+                f"{name or source}: cut short: its {chunk} chunk declares {declared} bytes, "
+                f"the file holds {holds}"
+            )
+
+
+def load_complete(preprocess: AudioPreprocess, source, name: str | None = None) -> torch.Tensor:
+    """``preprocess.load(source)`` of a clip that is not cut short (``check_complete``)."""
+    check_complete(source, name)
+    return preprocess.load(source)
 
 
 class AudioClips(Dataset):
@@ -42,18 +75,19 @@ class AudioClips(Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int) -> dict:
-        bad: list[str] = []
-        for attempt in range(MAX_CONSECUTIVE_BAD):
-            j = (i + attempt) % len(self.samples)
-            path, label = self.samples[j]
-            try:
-                wave = self.preprocess.load(path)
-            except AudioDecodeError as e:
-                log.warning("unreadable audio skipped: %s", e)
-                bad.append(path)
-                continue
-            return {"audio": wave, "label": label, "path": path, "bad_samples": bad}
-        raise DataError(f"{MAX_CONSECUTIVE_BAD} consecutive unreadable clips from {self.samples[i][0]} on")
+        j, wave, bad = first_readable(
+            i,
+            len(self.samples),
+            lambda k: load_complete(self.preprocess, self.samples[k][0]),
+            lambda k: self.samples[k][0],
+            "audio",
+            (AudioDecodeError,),
+        )
+        path, label = self.samples[j]
+        item = {"audio": wave, "label": label, "path": path, "bad_samples": bad}
+        if bad:
+            item[STAND_IN] = True
+        return item
 
 
 def clip_milliseconds(path: str) -> int:
@@ -91,26 +125,15 @@ def folder_samples(
     split_dir: Path, classes: list[str] | None = None
 ) -> tuple[list[tuple[str, int]], list[str]]:
     """``(samples, classes)`` of ``split_dir/<class>/<clip>``; ``classes`` default to the sorted sub-folders.
-    Raises ``FileNotFoundError`` / ``DataError`` (missing folder, a class outside ``classes``)."""
-    if not split_dir.is_dir():
-        raise FileNotFoundError(f"audio folder split {str(split_dir)!r} does not exist")
-    found = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
-    classes = classes or found
-    index = {c: i for i, c in enumerate(classes)}
-    samples = []
-    for name in found:
-        if name not in index:
-            raise DataError(f"{split_dir / name}: class {name!r} is not among the training classes")
-        files = sorted(p for p in (split_dir / name).rglob("*") if p.suffix.lower() in AUDIO_EXTENSIONS)
-        samples += [(str(p), index[name]) for p in files]
-    if not samples:
-        raise FileNotFoundError(f"no audio files ({', '.join(AUDIO_EXTENSIONS)}) under {split_dir}")
-    return samples, classes
+    Files of other extensions are counted in one warning. Raises ``FileNotFoundError`` (a missing
+    folder) / ``DataError`` (a class outside ``classes``, a class folder without a clip)."""
+    return class_files(Path(split_dir), classes, audio_extensions(), "audio")
 
 
-def manifest_rows(path: Path, label_key: str = "label") -> list[dict]:
+def manifest_rows(path: Path, label_key: str = "label", transcript: bool = False) -> list[dict]:
     """Rows of a JSONL manifest; each needs ``audio`` (relative paths resolved against the manifest's
-    folder) and ``label_key`` (copied to ``label``). Raises ``DataError`` naming ``file:line``."""
+    folder) and ``label_key`` (copied to ``label``): a class name, or with ``transcript`` a string.
+    Raises ``DataError`` naming ``file:line`` (a null label or transcript included)."""
     if not path.is_file():
         raise FileNotFoundError(f"audio manifest {str(path)!r} does not exist")
     rows = []
@@ -119,7 +142,7 @@ def manifest_rows(path: Path, label_key: str = "label") -> list[dict]:
         if not isinstance(audio, str):
             raise DataError(f"{path}:{n}: 'audio' must be a file path, got {audio!r}")
         row["audio"] = str(Path(audio) if Path(audio).is_absolute() else path.parent / audio)
-        row["label"] = str(row[label_key])
+        row["label"] = (text_field if transcript else label_field)(path, n, row, label_key)
         rows.append(row)
     return rows
 
@@ -133,8 +156,8 @@ def audio_classification_data(
 
     root = resolve_root(cfg.root)
     if cfg.kind == "audio_folder":
-        train, classes = folder_samples(root / cfg.train_split)
-        val, _ = folder_samples(root / cfg.val_split, classes)
+        train, classes = folder_samples(split_folder(root, cfg, "train_split", "audio"))
+        val, _ = folder_samples(split_folder(root, cfg, "val_split", "audio"), classes)
     else:
         train_rows = manifest_rows(root / f"{cfg.train_split}.jsonl", cfg.label_key)
         val_rows = manifest_rows(root / f"{cfg.val_split}.jsonl", cfg.label_key)

@@ -4,8 +4,8 @@
 Batches: ``audio (B, S)`` float32 and ``audio_valid (B, S)`` bool (right-padded clips, True = real
 sample, as audio classification), ``caption (B, L)`` long (BOS … EOS, right-padded with the pad id),
 ``caption_valid (B, L)`` bool, ``caption_text`` (the strings), ``caption_id (B,)`` long (equal for
-transcripts with equal token ids within the split). An unreadable clip is reported with its path, replaced by the next
-readable one and counted, as for audio classification.
+transcripts with equal token ids within the split). A null transcript is refused naming its line; an
+unreadable clip follows the folder rule (``bad_samples``), as for audio classification.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def audio_caption_data(cfg, preprocess, tokenizer):
     root = resolve_root(cfg.root)
 
     def make(split: str, side) -> AudioCaptions:
-        rows = manifest_rows(root / f"{split}.jsonl", cfg.text_key)
-        ids = encode_captions(tokenizer, [str(r[cfg.text_key]) for r in rows], cfg.max_len)
+        rows = manifest_rows(root / f"{split}.jsonl", cfg.text_key, transcript=True)
+        ids = encode_captions(tokenizer, [r[cfg.text_key] for r in rows], cfg.max_len)
         return AudioCaptions(rows, ids, side, cfg.text_key)
 
     train, val = make(cfg.train_split, preprocess[0]), make(cfg.val_split, preprocess[1])

@@ -29,9 +29,10 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from .audio import load_complete
 from .collate import caption_ids
 from .image_caption import encode_captions
-from .jsonl import read_jsonl
+from .jsonl import read_jsonl, text_field
 from .roots import DataError
 from .shards import FORMAT, INDEX, media_bytes, write_shards
 
@@ -54,9 +55,8 @@ def _caption_rows(path: Path, media: str, text_key: str) -> list[dict]:
         if not isinstance(row[media], str):
             raise DataError(f"{path}:{n}: {media!r} must be a file path, got {row[media]!r}")
         p = Path(row[media])
-        rows.append(
-            {**row, media: str(p if p.is_absolute() else path.parent / p), text_key: str(row[text_key])}
-        )
+        text = text_field(path, n, row, text_key)
+        rows.append({**row, media: str(p if p.is_absolute() else path.parent / p), text_key: text})
     return rows
 
 
@@ -131,10 +131,11 @@ def audio_caption_decoder(preprocess, tokenizer, max_len: int) -> Callable[[dict
     "caption_id"}`` (``path`` = ``shard:key``) through the audio tokenizer's data side."""
 
     def decode(raw: dict) -> dict:
-        wave = preprocess.load(io.BytesIO(media_bytes(raw, "audio")))
+        where = f"{raw['__url__']}:{raw['__key__']}"
+        wave = load_complete(preprocess, io.BytesIO(media_bytes(raw, "audio")), where)
         return {
             "audio": wave,
-            "path": f"{raw['__url__']}:{raw['__key__']}",
+            "path": where,
             **_caption(raw, tokenizer, max_len),
         }
 

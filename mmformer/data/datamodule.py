@@ -4,7 +4,9 @@ datasets and loader settings) and every step receives ``{task_name: batch}`` (DE
 Training loaders shard and shuffle with torch's ``DistributedSampler`` (seeded by ``(seed, epoch)``, so
 the order is reproducible; ``ResumableShardSampler`` lets a run resumed mid-epoch start where its
 checkpoint was taken, read from the stateful ``AccumulationWindows``); evaluation
-loaders shard without padding (``EvalShardSampler``) so synchronised metrics count each sample once.
+loaders shard without padding (``EvalShardSampler``) so synchronised metrics count each sample once, and
+drop the rows that stand in for an unreadable sample (``bad_samples.DropStandIns``): evaluation never
+scores a replacement, where training keeps it so its batch shapes stay fixed.
 Training samples are prepared inside per-sample random streams (``SeededSamples``): augmentation is a
 function of ``(seed, epoch, sample)``, whatever rank, worker or resume point prepares it.
 With ``multitask.schedule: sampled`` a training step holds one task's batch (``SampledTasks``).
@@ -22,6 +24,7 @@ import lightning as L
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from .bad_samples import DropStandIns
 from .roots import DataError
 from .samplers import (
     EvalShardSampler,
@@ -132,6 +135,7 @@ class MultiTaskDataModule(L.LightningDataModule):
 
     def _loader(self, name: str, d: TaskData, dataset: Dataset, train: bool) -> DataLoader:
         world, rank = self._world()
+        collate = d.collate if train else DropStandIns(d.collate)
         if isinstance(dataset, IterableDataset):  # shards: the dataset splits itself by rank and worker
             dataset.place(world, rank, d.num_workers)
             if not train and self._lockstep() and hasattr(dataset, "eval_batches"):
@@ -146,7 +150,7 @@ class MultiTaskDataModule(L.LightningDataModule):
                 dataset,
                 batch_size=d.batch_size if train else d.val_batch_size,
                 num_workers=d.num_workers,
-                collate_fn=d.collate,
+                collate_fn=collate,
                 persistent_workers=d.num_workers > 0 and not train,
             )
         if train:
@@ -166,7 +170,7 @@ class MultiTaskDataModule(L.LightningDataModule):
                 except ValueError as e:
                     raise DataError(f"{e}: raise val_batch_size or use fewer processes") from None
                 return DataLoader(
-                    dataset, batch_sampler=batches, num_workers=d.num_workers, collate_fn=d.collate
+                    dataset, batch_sampler=batches, num_workers=d.num_workers, collate_fn=collate
                 )
             sampler = EvalShardSampler(len(dataset), world, rank)
         if train and d.lengths is not None:  # length bucketing: the loader takes whole batches
@@ -174,7 +178,7 @@ class MultiTaskDataModule(L.LightningDataModule):
                 dataset,
                 batch_sampler=LengthBuckets(sampler, d.lengths(), d.batch_size, d.drop_last),
                 num_workers=d.num_workers,
-                collate_fn=d.collate,
+                collate_fn=collate,
                 generator=sampler.generator,
             )
         return DataLoader(
@@ -182,7 +186,7 @@ class MultiTaskDataModule(L.LightningDataModule):
             batch_size=d.batch_size if train else d.val_batch_size,
             sampler=sampler,
             num_workers=d.num_workers,
-            collate_fn=d.collate,
+            collate_fn=collate,
             drop_last=d.drop_last and train,
             # training workers start afresh each epoch (base seed from (seed, rank, epoch), by the sampler)
             persistent_workers=d.num_workers > 0 and not train,

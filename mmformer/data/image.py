@@ -6,7 +6,8 @@ from __future__ import annotations
 from ..tokenizers.image import ImagePreprocess
 from .collate import collate_classification
 from .datamodule import TaskData
-from .image_folder import ImageFolder, TorchvisionClassification, find_classes
+from .folders import find_classes, split_folder
+from .image_folder import ImageFolder, TorchvisionClassification
 from .roots import DataError, DataNotFoundError, data_root, resolve_root
 
 
@@ -31,11 +32,14 @@ def image_folder_data(cfg, tok, num_classes: int | None = None) -> TaskData:
     """``cfg``: ``ImageFolderDataConfig``; ``tok``: the image tokenizer's config (size, channels, mean/std).
 
     Raises:
-        DataNotFoundError / FileNotFoundError: a missing root or split.
-        DataError: the number of class folders differs from the head's ``num_classes``.
+        DataNotFoundError: a missing root.
+        DataError: a missing split (the message shows the layout), a class folder without images, a
+            number of class folders other than the head's ``num_classes``.
     """
     root = resolve_root(cfg.root)
-    classes = find_classes(root / cfg.train_split)
+    train_dir = split_folder(root, cfg, "train_split", "image")
+    val_dir = split_folder(root, cfg, "val_split", "image")
+    classes = find_classes(train_dir)
     if num_classes is not None and len(classes) != num_classes:
         shown = ", ".join(classes[:12]) + (", …" if len(classes) > 12 else "")
         raise DataError(
@@ -43,8 +47,8 @@ def image_folder_data(cfg, tok, num_classes: int | None = None) -> TaskData:
             f"has num_classes={num_classes}"
         )
     train_tf, val_tf = image_preprocess(cfg, tok)
-    train = ImageFolder(root / cfg.train_split, classes, train_tf, cfg.cache)
-    val = ImageFolder(root / cfg.val_split, classes, val_tf, cfg.cache)
+    train = ImageFolder(train_dir, classes, train_tf, cfg.cache)
+    val = ImageFolder(val_dir, classes, val_tf, cfg.cache)
     return TaskData(
         train=train,
         val=val,

@@ -6,7 +6,9 @@ Batches: ``image (B, C, H, W)`` uint8, ``caption (B, L)`` long (BOS … EOS, rig
 long (equal for captions with equal token ids within the split) and, with a
 ``label_key``, ``label (B,)`` long: the index of the row's class in ``root/<label_key>.json``
 (``{class name: [prompt, …]}``, the zero-shot classes), -1 for a row without one. Captions decoded once,
-images once per epoch (or cached).
+images once per epoch (or cached). A caption that is not a string (null) is refused naming its line; an
+unreadable image follows the folder rule (``bad_samples``): named once, replaced by the next readable
+pair in training, left out of evaluation.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ..tokenizers.image import ImagePreprocess
+from .bad_samples import STAND_IN, first_readable
 from .collate import caption_ids, pad_ids
 from .datamodule import TaskData
-from .jsonl import read_jsonl
+from .image_folder import decode_errors
+from .jsonl import read_jsonl, text_field
 from .roots import DataError, resolve_root
+from .text import read_utf8
 
 
 def read_captions(path: Path) -> list[tuple[str, str]]:
@@ -37,10 +42,11 @@ def read_caption_rows(path: Path, label_key: str | None = None) -> list[tuple[st
     if not path.is_file():
         raise DataError(f'{path} is missing (one {{"image": …, "caption": …}} per line)')
     rows = []
-    for _, row in read_jsonl(path, ("image", "caption")):
-        image = Path(row["image"])
+    for n, row in read_jsonl(path, ("image", "caption")):
+        image = Path(text_field(path, n, row, "image"))
         label = row.get(label_key) if label_key else None
-        rows.append((str(image if image.is_absolute() else path.parent / image), str(row["caption"]), label))
+        caption = text_field(path, n, row, "caption")
+        rows.append((str(image if image.is_absolute() else path.parent / image), caption, label))
     return rows
 
 
@@ -51,7 +57,7 @@ def read_class_prompts(root: Path, label_key: str) -> dict[str, list[str]]:
     if not path.is_file():
         raise DataError(f"{path} is missing: label_key {label_key!r} needs its classes and their prompts")
     try:
-        classes = json.loads(path.read_text())
+        classes = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not JSON ({e})") from None
     if (
@@ -64,8 +70,8 @@ def read_class_prompts(root: Path, label_key: str) -> dict[str, list[str]]:
 
 
 class ImageCaptions(Dataset):
-    """Items ``{"image": (C, H, W) uint8, "ids": [caption token ids], "caption": str, "caption_id": int}``,
-    plus ``"label": int`` when ``labels`` are given."""
+    """Items ``{"image": (C, H, W) uint8, "ids": [caption token ids], "caption": str, "caption_id": int,
+    "bad_samples": [path, …]}``, plus ``"label": int`` when ``labels`` are given."""
 
     def __init__(
         self,
@@ -82,25 +88,31 @@ class ImageCaptions(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i: int) -> dict:
+    def pixels(self, i: int) -> torch.Tensor:
+        """Decoded, resized uint8 pixels of row ``i`` (from the cache when enabled)."""
         pixels = self.cache.get(i) if self.cache is not None else None
         if pixels is None:
-            path = self.rows[i][0]
-            try:
-                with Image.open(path) as im:
-                    pixels = self.preprocess.load(im)
-            except OSError as e:
-                raise DataError(f"unreadable image {path}: {e}") from None
+            with Image.open(self.rows[i][0]) as im:
+                pixels = self.preprocess.load(im)
             if self.cache is not None:
                 self.cache[i] = pixels
+        return pixels
+
+    def __getitem__(self, i: int) -> dict:
+        j, pixels, bad = first_readable(
+            i, len(self.rows), self.pixels, lambda k: self.rows[k][0], "image", decode_errors()
+        )
         item = {
             "image": self.preprocess.augment(pixels),
-            "ids": self.ids[i],
-            "caption": self.rows[i][1],
-            "caption_id": self.caption_ids[i],
+            "ids": self.ids[j],
+            "caption": self.rows[j][1],
+            "caption_id": self.caption_ids[j],
+            "bad_samples": bad,
         }
         if self.labels is not None:
-            item["label"] = self.labels[i]
+            item["label"] = self.labels[j]
+        if bad:
+            item[STAND_IN] = True
         return item
 
 
@@ -115,7 +127,7 @@ def collate_captions(samples: list[dict], pad_id: int) -> dict:
     }
     if "label" in samples[0]:
         batch["label"] = torch.tensor([s["label"] for s in samples], dtype=torch.long)
-    if "bad_samples" in samples[0]:  # shards: the unreadable samples skipped (``BadSampleReport``)
+    if "bad_samples" in samples[0]:  # the unreadable samples skipped (``BadSampleReport``)
         batch["bad_samples"] = [p for s in samples for p in s["bad_samples"]]
     return batch
 

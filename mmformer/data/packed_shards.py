@@ -58,9 +58,20 @@ def document_encoder(tokenizer) -> Callable[[dict], list[int]]:
 
 
 def count_tokens(root: Path, shards: list[list], tokenizer) -> list[int]:
-    """Tokens (``eos`` included) of each shard's documents."""
+    """Tokens (``eos`` included) of each shard's readable documents (a damaged shard's lost tail is named
+    once and not counted: training skips it too)."""
     encode = document_encoder(tokenizer)
-    return [sum(len(encode(raw)) for raw in read_samples(Path(root) / name)) for name, _ in shards]
+
+    def tokens(raw: dict) -> int:
+        try:
+            return len(encode(raw))
+        except Exception:  # training skips it (and names it) too
+            return 0
+
+    return [
+        sum(tokens(raw) for raw in read_samples(Path(root) / name, n, lambda lost: None))
+        for name, n in shards
+    ]
 
 
 def token_counts(root: Path, info: dict, split: str, tokenizer) -> list[int]:
@@ -181,9 +192,10 @@ class PackedShardStream(ShardStream):
         ids: list[int] = []
         doc: list[int] = []
         delivered, documents, bad = 0, 0, []
+        lost: list[str] = []  # documents lost in damaged shards, listed with the next window
         while delivered < quota:  # one pass suffices unless documents turned out unreadable
             before = documents
-            for pick in buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
+            for pick in buffer_shuffled(self._pass(mine, lost.extend), self.shuffle_buffer, rng):
                 toks = self._decoded(pick)
                 if toks is None:
                     bad.append(f"{pick.get('__url__')}:{pick.get('__key__')}")
@@ -199,9 +211,10 @@ class PackedShardStream(ShardStream):
                             "text": torch.tensor(ids[at : at + n], dtype=torch.long),
                             "text_valid": torch.ones(n, dtype=torch.bool),
                             "text_document": d - d[0],
-                            "bad_samples": bad,
+                            "bad_samples": bad + lost,
                         }
                         bad = []
+                        lost.clear()
                     delivered, at = delivered + 1, at + n
                 if delivered >= quota:
                     return

@@ -19,7 +19,15 @@ from ``(seed, epoch)`` and dealt out by rank, then by data-loader worker (WebDat
 ``samples // (world · batch_size)`` batches. Every sample is read exactly once per epoch when the shards
 hold equal counts and their number divides by ranks × workers (otherwise a warning says so).
 Evaluation: rank ``r`` keeps the samples whose global index is ``r`` mod ``world`` (every sample
-exactly once over the ranks, as ``EvalShardSampler``). A run resumed mid-epoch skips, without decoding,
+exactly once over the ranks, as ``EvalShardSampler``).
+
+Bad data follows the folder rule (``bad_samples``). ``index.json`` is checked when it is read: a shard
+name that is not a plain file name inside the folder (``../x.tar``, ``/abs/x.tar``) or a shard that is
+missing is refused, naming the entry. An unreadable sample is named once (``shard:key``) and skipped;
+a shard cut short or damaged is named once with the number of samples lost after the damage, which
+training skips (its quota is filled from its other shards) and evaluation counts as skipped: each lost or
+unreadable evaluation sample is a ``stand_in`` row, dropped by the evaluation collate, so every rank
+still runs the batches ``eval_batches`` counts. A run resumed mid-epoch skips, without decoding,
 the samples its workers had already delivered. A training sample is decoded and augmented inside its own
 random stream, seeded from ``(seed, epoch, shard name / key)`` (``seeding``), so its augmentation does
 not depend on the worker that reads it or on a resume.
@@ -32,15 +40,17 @@ import itertools
 import json
 import logging
 import random
+import tarfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .audio import folder_samples
+from .audio import folder_samples, load_complete
+from .bad_samples import report_unreadable, stand_in, warn_once
 from .datamodule import TaskData
-from .image_folder import IMAGE_EXTENSIONS, find_classes
+from .folders import audio_extensions, class_files, find_classes, image_extensions
 from .roots import DataError, resolve_root
 from .seeding import sample_seed, seeded
 
@@ -89,16 +99,9 @@ def shard_folder(src: Path, out: Path, modality: str, samples_per_shard: int = 1
         raise DataError(f"{src} has no train/ split folder")
     if modality == "image":
         classes = find_classes(Path(src) / "train")
-        index = {c: i for i, c in enumerate(classes)}
 
         def items(split: str) -> list[tuple[str, int]]:
-            root = Path(src) / split
-            return [
-                (str(p), index[c])
-                for c in find_classes(root)
-                for p in sorted((root / c).rglob("*"))
-                if p.suffix.lower() in IMAGE_EXTENSIONS
-            ]
+            return class_files(Path(src) / split, classes, image_extensions(), "image")[0]
     else:
         _, classes = folder_samples(Path(src) / "train")
 
@@ -113,24 +116,89 @@ def shard_folder(src: Path, out: Path, modality: str, samples_per_shard: int = 1
 
 
 def read_index(root: Path) -> dict:
-    """``root/index.json``; raises ``DataError`` when it is missing or not an mmformer shard index."""
+    """``root/index.json``. Raises ``DataError`` naming it when it is missing, not an mmformer shard index,
+    or lists a shard that is not a file name inside ``root`` or is missing from it."""
     path = Path(root) / INDEX
     if not path.is_file():
         raise DataError(f"{root} has no {INDEX}: write shards with `mmformer data shard`")
-    info = json.loads(path.read_text())
-    if info.get("format") != FORMAT:
-        raise DataError(f"{path}: format {info.get('format')!r}, expected {FORMAT!r}")
+    try:
+        info = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not a JSON shard index ({e})") from None
+    found = info.get("format") if isinstance(info, dict) else None
+    if found != FORMAT:
+        raise DataError(f"{path}: format {found!r}, expected {FORMAT!r}")
+    if not isinstance(info.get("splits"), dict):
+        raise DataError(f"{path}: 'splits' must map each split to its [[shard file name, samples], …]")
+    for split, shards in info["splits"].items():
+        for i, entry in enumerate(shards if isinstance(shards, list) else [shards]):
+            where = f"{path}: splits.{split}[{i}]"
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+                raise DataError(f"{where}: expected [shard file name, samples], got {json.dumps(entry)[:80]}")
+            name, n = entry
+            if not _inside(name):
+                raise DataError(f"{where}: shard {name!r} is not a file name inside {root}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise DataError(f"{where}: the sample count of {name!r} must be an integer >= 0, got {n!r}")
+            if not (Path(root) / name).is_file():
+                raise DataError(f"{where}: shard {name!r} is missing from {root}")
     return info
 
 
+def _inside(name: str) -> bool:
+    """A relative path that stays inside the shard folder: not empty, no root or drive, no ``..``."""
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    return bool(parts) and not parts[0].startswith("/") and ".." not in parts and ":" not in name
+
+
 # --------------------------------------------------------------------------- reading
-def read_samples(path: Path) -> Iterator[dict]:
-    """The samples of one tar shard as ``{"__key__": …, ext: bytes}`` (webdataset's tar iterators)."""
+# what tarfile raises for a shard cut short or damaged (webdataset appends " @ <file>" to the message)
+SHARD_ERRORS = (tarfile.TarError, EOFError, OSError)
+
+
+def read_samples(
+    path: Path, expected: int | None = None, damaged: Callable[[list[str]], None] | None = None
+) -> Iterator[dict]:
+    """The samples of one tar shard as ``{"__key__": …, ext: bytes}`` (webdataset's tar iterators).
+
+    A shard that is damaged or cut short — a ``tarfile`` error, or fewer than its ``expected`` samples —
+    yields the samples before the damage, then raises ``DataError`` naming it; with ``damaged`` it is
+    named once in a warning instead, with the number of samples lost, and ``damaged`` receives them
+    (``["<shard>#<k>", …]``, ``k`` the position in the shard), so the caller can count them and go on."""
     from webdataset.tariterators import group_by_keys, tar_file_iterator
 
+    failure: list[BaseException] = []
+
+    def members(f) -> Iterator[dict]:
+        try:
+            for member in tar_file_iterator(f):
+                yield {**member, "__url__": str(path)}
+        except SHARD_ERRORS as e:  # ends the member stream: the last complete sample is still grouped
+            failure.append(e)
+
+    count = 0
     with open(path, "rb") as f:
-        files = ({**member, "__url__": str(path)} for member in tar_file_iterator(f))
-        yield from group_by_keys(files)
+        for sample in group_by_keys(members(f)):
+            count += 1
+            yield sample
+    short = expected is not None and count < expected
+    if not failure and not short:
+        return
+    total = f"of its {expected} samples" if expected is not None else "samples"
+    if failure:
+        e = failure[0]
+        what = f"{type(e).__name__} after {count} {total} ({str(e).split(' @ ')[0]})"
+    else:
+        what = f"it ends after {count} {total}"
+    if damaged is None:
+        raise DataError(f"{path}: damaged shard: {what}")
+    lost = [f"{path}#{k}" for k in range(count, expected if short else count)]
+    warn_once(
+        lost[0] if lost else str(path),
+        "damaged shard %s: %s: its last %d samples are skipped",
+        path, what, len(lost),
+    )  # fmt: skip
+    damaged(lost)
 
 
 class ShardStream(IterableDataset):
@@ -139,7 +207,7 @@ class ShardStream(IterableDataset):
     Args:
         root: the shard folder; ``shards``: ``[[file name, samples], …]`` of the split.
         decode: raw WebDataset sample → dataset item (raises on an unreadable one: it is skipped,
-            reported with its shard and key under ``bad_samples``).
+            named once with its shard and key and listed under ``bad_samples``).
         train: shuffle and deal shards by rank and worker (else: every sample once over the ranks).
         batch_size: the loader's batch size (quotas are whole batches); ``world``, ``rank``: processes.
         seed, shuffle_buffer: shard order and sample shuffling (``shuffle_buffer`` samples held).
@@ -201,11 +269,11 @@ class ShardStream(IterableDataset):
     def __getitem__(self, i: int) -> dict:
         """Sample ``i`` of the split in file order (the same on every rank), decoded: for the few items
         media callback shows (a causal LM's text-sample prompts). Reads its shard from the start. Raises
-        ``IndexError`` past the end."""
+        ``IndexError`` past the end, ``DataError`` when its shard is damaged before it."""
         start = 0
         for name, n in self.shards:
             if 0 <= i - start < n:
-                raw = next(itertools.islice(read_samples(self.root / name), i - start, None))
+                raw = next(itertools.islice(read_samples(self.root / name, n), i - start, None))
                 return {"bad_samples": [], **self.decode(raw)}
             start += n
         raise IndexError(f"sample {i} of a split of {start}")
@@ -229,9 +297,8 @@ class ShardStream(IterableDataset):
     def _decoded(self, raw: dict) -> dict | None:
         try:
             return self.decode(raw)
-        except Exception as e:  # a corrupt file in a shard: skipped and named
-            where = f"{raw.get('__url__')}:{raw.get('__key__')}"
-            log.warning("unreadable sample skipped: %s (%s: %s)", where, type(e).__name__, e)
+        except Exception as e:  # a corrupt file in a shard: skipped and named (once)
+            report_unreadable("sample", _where(raw), e)
             return None
 
     def _share(self, items: int, workers: int, worker: int) -> int:
@@ -254,8 +321,9 @@ class ShardStream(IterableDataset):
     def _train(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
         mine, quota, own_skip, rng = self._deal(workers, worker, skip)
         delivered, bad = 0, []
+        lost: list[str] = []  # samples lost in damaged shards, listed with the next item
         while True:  # passes over this worker's shards; a worker that runs short starts another
-            for pick in buffer_shuffled(self._pass(mine), self.shuffle_buffer, rng):
+            for pick in buffer_shuffled(self._pass(mine, lost.extend), self.shuffle_buffer, rng):
                 if delivered >= quota:
                     return
                 if delivered < own_skip:  # a resumed epoch: what was already trained, not decoded
@@ -266,28 +334,63 @@ class ShardStream(IterableDataset):
                 ):
                     item = self._decoded(pick)
                 if item is None:
-                    bad.append(f"{pick.get('__url__')}:{pick.get('__key__')}")
+                    bad.append(_where(pick))
                     continue
-                item["bad_samples"], bad = bad, []
+                item["bad_samples"], bad = bad + lost, []
+                lost.clear()
                 delivered += 1
                 yield item
             rng.shuffle(mine)
 
-    def _pass(self, shards: list[int]) -> Iterator[dict]:
+    def _pass(self, shards: list[int], damaged: Callable[[list[str]], None]) -> Iterator[dict]:
+        """The samples of ``shards`` in turn; the samples lost in a damaged one go to ``damaged``."""
         for s in shards:
-            yield from read_samples(self.root / self.shards[s][0])
+            name, n = self.shards[s]
+            yield from read_samples(self.root / name, n, damaged)
 
-    def _eval(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
+    def _eval_samples(self, workers: int, worker: int) -> Iterator[dict | str]:
+        """This rank's evaluation samples in this worker's shards, in order: raw samples, and for each
+        sample lost in a damaged shard its ``"<shard>#<k>"``."""
         start = 0
         for s, (name, n) in enumerate(self.shards):
             if s % workers == worker:
-                for j, raw in enumerate(read_samples(self.root / name)):
+                lost: list[str] = []
+                for j, raw in enumerate(read_samples(self.root / name, n, lost.extend)):
                     if (start + j) % self.world == self.rank:
-                        item = self._decoded(raw)
-                        if item is not None:
-                            item.setdefault("bad_samples", [])
-                            yield item
+                        yield raw
+                for j, where in zip(range(n - len(lost), n), lost):
+                    if (start + j) % self.world == self.rank:
+                        yield where
             start += n
+
+    def _eval(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
+        """One item per sample: the decoded one, or for an unreadable or lost one a ``stand_in`` copy of a
+        readable neighbour (the last one before it, else the first after), which the evaluation collate
+        drops — so every rank runs the batches ``eval_batches`` counts and no sample is scored twice."""
+        last, pending = None, []  # the last readable item; the bad samples met before the first one
+        for sample in self._eval_samples(workers, worker):
+            item = self._decoded(sample) if isinstance(sample, dict) else None
+            if item is None:
+                where = _where(sample) if isinstance(sample, dict) else sample
+                if last is None:
+                    pending.append(where)
+                else:
+                    yield stand_in(last, [where])
+                continue
+            item["bad_samples"] = []
+            last = item
+            yield item
+            yield from (stand_in(item, [where]) for where in pending)
+            pending = []
+        if pending:  # nothing readable in this worker's part: its samples were each named
+            log.warning(
+                "%s: no readable evaluation sample among %d in one worker's shards", self.root, len(pending)
+            )
+
+
+def _where(raw: dict) -> str:
+    """``shard:key``: how a sample of a shard is named."""
+    return f"{raw.get('__url__')}:{raw.get('__key__')}"
 
 
 def buffer_shuffled(samples: Iterator[dict], size: int, rng: random.Random) -> Iterator[dict]:
@@ -303,18 +406,16 @@ def buffer_shuffled(samples: Iterator[dict], size: int, rng: random.Random) -> I
 
 
 # --------------------------------------------------------------------------- decoding per modality
-MEDIA = {
-    "image": (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"),
-    "audio": (".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"),
-}
-
-
 def media_bytes(raw: dict, modality: str) -> bytes:
-    """The bytes of the sample's ``modality`` file (any extension of ``MEDIA``); raises ``DataError``."""
-    for ext in MEDIA[modality]:
-        if ext[1:] in raw:
-            return raw[ext[1:]]
-    raise DataError(f"sample {raw.get('__key__')} has no {modality} file ({', '.join(MEDIA[modality])})")
+    """The bytes of the sample's ``modality`` file (``image``: any extension Pillow reads, ``audio``: any
+    container libsndfile reads, as the folders); raises ``DataError``."""
+    exts = image_extensions() if modality == "image" else audio_extensions()
+    for key, value in raw.items():
+        if not key.startswith("__") and f".{key.lower()}" in exts:
+            return value
+    raise DataError(
+        f"sample {raw.get('__key__')} has no {modality} file (.{', .'.join(e[1:] for e in exts[:8])}, …)"
+    )
 
 
 def image_decoder(transform) -> Callable[[dict], dict]:
@@ -335,8 +436,8 @@ def audio_decoder(preprocess) -> Callable[[dict], dict]:
     """Raw sample → ``{"audio", "label", "path"}`` through the audio tokenizer's data side."""
 
     def decode(raw: dict) -> dict:
-        wave = preprocess.load(io.BytesIO(media_bytes(raw, "audio")))
-        return {"audio": wave, "label": int(raw["cls"]), "path": f"{raw['__url__']}:{raw['__key__']}"}
+        wave = load_complete(preprocess, io.BytesIO(media_bytes(raw, "audio")), _where(raw))
+        return {"audio": wave, "label": int(raw["cls"]), "path": _where(raw)}
 
     return decode
 

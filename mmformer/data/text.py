@@ -28,15 +28,28 @@ from .leaks import text_source
 from .roots import DataError, resolve_root
 
 
+def read_utf8(path: Path) -> str:
+    """The text of ``path``; raises ``DataError`` naming the file, the byte offset and the line of the first
+    byte that is not UTF-8."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path}: not UTF-8 text at byte {e.start} (line {line}; byte 0x{data[e.start]:02x}: {e.reason})"
+        ) from None
+
+
 def read_documents(path: Path) -> list[str]:
     """Documents of a corpus: a ``.txt`` file, or every ``.txt`` file of a folder (sorted); inside each
     file, documents are separated by blank lines.
 
-    Raises ``DataError`` when there is no text.
+    Raises ``DataError`` when there is no text, or for a file that is not UTF-8 (naming the byte).
     """
     path = Path(path)
     files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
-    docs = [d for f in files for d in f.read_text(encoding="utf-8").split("\n\n")]
+    docs = [d for f in files for d in read_utf8(f).split("\n\n")]
     docs = [d.strip("\n") for d in docs if d.strip()]
     if not docs:
         raise DataError(f"no text found in {path}")

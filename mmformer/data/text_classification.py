@@ -16,19 +16,20 @@ from torch.utils.data import Dataset
 
 from .collate import pad_ids
 from .datamodule import TaskData
-from .jsonl import read_jsonl
+from .jsonl import label_field, read_jsonl
 from .leaks import text_source
 from .roots import DataError, resolve_root
+from .text import read_utf8
 
 
 def read_manifest(path: Path) -> list[tuple[str, str]]:
     """``(text, label)`` pairs of a JSONL file. Raises ``DataError`` naming ``file:line`` for a line that
-    is not a JSON object with a string ``text`` and a ``label``."""
+    is not UTF-8, or not a JSON object with a string ``text`` and a ``label`` (a string or a number)."""
     rows = []
     for n, row in read_jsonl(path, ("text", "label")):
         if not isinstance(row["text"], str):
             raise DataError(f"{path}:{n}: 'text' must be a string, got {type(row['text']).__name__}")
-        rows.append((row["text"], str(row["label"])))
+        rows.append((row["text"], label_field(path, n, row, "label")))
     return rows
 
 
@@ -54,7 +55,7 @@ def collate_texts(samples: list[dict], pad_id: int) -> dict:
 def class_names(root: Path, train_rows: list[tuple[str, str]]) -> list[str]:
     path = root / "classes.txt"
     if path.is_file():
-        classes = [c.strip() for c in path.read_text(encoding="utf-8").splitlines() if c.strip()]
+        classes = [c.strip() for c in read_utf8(path).splitlines() if c.strip()]
         dupes = sorted({c for c in classes if classes.count(c) > 1})
         if dupes:
             raise DataError(f"{path} lists {dupes[:5]} more than once")

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from .kv_cache import KVCache
 from .linear_attention import favor_attention, orthogonal_features
-from .masks import MaskSpec, to_additive
+from .masks import MaskSpec, require_bool, to_additive
 from .positions import RotaryEmbedding, alibi_bias
 
 KERNELS = ("auto", "eager", "sdpa", "flex", "performer")
@@ -190,12 +190,13 @@ def eager_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None = None, dropout_p: float = 0.0
 ) -> Tensor:
     """Reference attention. ``q (B, H, Nq, Dh)``, ``k, v (B, H, Nk, Dh)``, ``mask`` bool broadcastable to
-    ``(B, H, Nq, Nk)`` (True = may attend), ``bias`` additive float. Fully masked rows return zeros."""
+    ``(B, H, Nq, Nk)`` (True = may attend), ``bias`` additive float. Fully masked rows return zeros.
+    Raises ``TypeError`` for a ``mask`` that is not bool (``nn.masks.require_bool``)."""
     scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, Nq, Nk)
     if bias is not None:
         scores = scores + bias
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~require_bool(mask), float("-inf"))
     attn = scores.softmax(dim=-1).nan_to_num(0.0).to(q.dtype)  # a fully masked row → 0
     if dropout_p > 0.0:
         attn = F.dropout(attn, p=dropout_p)

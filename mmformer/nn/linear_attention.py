@@ -18,6 +18,8 @@ import math
 import torch
 from torch import Tensor
 
+from .masks import require_bool
+
 
 def orthogonal_features(n_features: int, dim: int, generator: torch.Generator | None = None) -> Tensor:
     """``(n_features, dim)``: stacked blocks of orthonormal rows (QR of Gaussian blocks), each row scaled
@@ -46,11 +48,12 @@ def favor_attention(
 ) -> Tensor:
     """FAVOR+ attention. ``q (B, H, Nq, Dh)``, ``k, v (B, H, Nk, Dh)``, ``features (m, Dh)``; ``causal``
     needs ``Nq == Nk``; ``key_valid (B, Nk)`` bool drops padded keys. Computed in float32; returns
-    ``q.dtype``. Raises ``ValueError`` for causal attention with ``Nq != Nk``."""
+    ``q.dtype``. Raises ``ValueError`` for causal attention with ``Nq != Nk``, ``TypeError`` for a
+    ``key_valid`` that is not bool."""
     dtype = q.dtype
     q, k, v, w = q.float(), k.float(), v.float(), features.float().to(q.device)
     if key_valid is not None:  # padded keys may hold anything: they must not set the stabilising max
-        k = k.masked_fill(~key_valid[:, None, :, None], 0.0)
+        k = k.masked_fill(~require_bool(key_valid, "key_valid")[:, None, :, None], 0.0)
     qf, kf = _phi(q, w, True), _phi(k, w, False)  # (B, H, N, m)
     if key_valid is not None:
         kf = kf * key_valid[:, None, :, None].to(kf.dtype)

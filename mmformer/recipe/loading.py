@@ -18,6 +18,7 @@ from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -25,6 +26,7 @@ from .. import components  # noqa: F401  (registers the built-in kinds the recip
 from ..errors import RecipeError, did_you_mean
 from ..registry import lookup
 from .checks import check_recipe, keep_only
+from .schema import override_value, unknown_keys, unknown_keys_message
 from .sections import RecipeConfig
 
 
@@ -60,13 +62,33 @@ def recipe_to_dict(recipe: RecipeConfig) -> dict:
     return asdict(recipe)
 
 
+def header_steps(path: str | Path, source: str) -> list[str]:
+    """The ``mmformer …`` commands of a recipe file's header comment up to the first that names
+    ``source`` (a fine-tune's ``# Source:`` train and export steps that write the weights it reads); []
+    when none names it. The recipe's own launch line is not a step."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    steps = []
+    for line in lines:
+        if line.strip() and not line.lstrip().startswith("#"):
+            break  # the header is the leading comment
+        m = _COMMAND.search(line)
+        if m and Path(path).name not in line:
+            steps.append(m.group(0).strip())
+            if source in line:
+                return steps
+    return []
+
+
+_COMMAND = re.compile(r"\bmmformer (?:train|export|data|validate|generate|sample|info)\b.*")
+
+
 def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
     if not isinstance(raw, DictConfig):
         raise RecipeError(f"{origin}: a recipe must be a mapping of sections, got {type(raw).__name__}")
-    cfg = _guard("", lambda: OmegaConf.merge(OmegaConf.structured(RecipeConfig), raw), RecipeConfig)
-    for item in overrides:
-        key, value = _parse_override(item)
-        _guard("", lambda k=key, v=value: OmegaConf.update(cfg, k, v, merge=True), RecipeConfig, key)
+    cfg = _merged(raw, overrides)
     _guard("", lambda: OmegaConf.resolve(cfg), RecipeConfig)
     for f in fields(RecipeConfig):  # validate section by section, so errors name their section
         if is_dataclass(f.type) or f.name in ("optim", "trainer", "logger", "checkpoint", "multitask"):
@@ -89,20 +111,107 @@ def _resolve(raw: DictConfig, overrides, origin: str) -> RecipeConfig:
         task.data = _component("dataset", task.data, f"tasks.{name}.data")
         tasks[name] = task
     recipe.tasks = tasks
+    recipe.resume = resume_setting(recipe.resume)
     if recipe.multitask.only:
         keep_only(recipe, recipe.multitask.only)
     check_recipe(recipe)
     return recipe
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def _merged(raw: DictConfig, overrides) -> DictConfig:
+    """Defaults ← ``raw`` ← ``overrides`` as one OmegaConf config (not yet validated section by section).
+
+    Raises:
+        RecipeError: every unknown key of the file and of the overrides in one message (a foreign recipe,
+            such as timm's ``args.yaml``, has dozens), each with its did-you-mean; else the first value
+            OmegaConf refuses.
+    """
+    unknown = unknown_keys(raw, OmegaConf.to_container(raw))
+    known = _without(raw, unknown)
+    try:
+        cfg = _guard("", lambda: OmegaConf.merge(OmegaConf.structured(RecipeConfig), known), RecipeConfig)
+    except RecipeError:
+        if not unknown:
+            raise
+        raise RecipeError(unknown_keys_message(unknown)) from None
+    unknown = _apply_overrides(cfg, overrides, unknown)
+    if unknown:
+        raise RecipeError(unknown_keys_message(unknown))
+    return cfg
+
+
+def resume_setting(value: str | None) -> str | None:
+    """``resume`` as a run reads it: ``"auto"``, a checkpoint path, or None for a new run — also spelled
+    ``false``, ``no``, ``off``, ``none``, ``null`` (litgpt's ``resume=false``; YAML's ``resume: no``,
+    which a string field holds as ``'False'``)."""
+    if value is None or value.strip().lower() in ("", "false", "no", "off", "none", "null", "~"):
+        return None
+    return value
+
+
+def _apply_overrides(cfg: DictConfig, overrides, unknown: list) -> list:
+    """Apply ``key=value`` overrides in order, each typed by the schema at its key. Returns ``unknown``
+    with every unknown key the overrides name added (those overrides are not applied); after the first
+    unknown key, an override that fails otherwise stops the loop instead of raising.
+
+    Raises:
+        RecipeError: a malformed override, or one OmegaConf refuses (wrong type) while none is unknown.
+    """
+    unknown = list(unknown)
+    for item in overrides:
+        key, value = _parse_override(item, cfg)
+        path = _key_path(key)
+        found = unknown_keys(cfg, _nested(path, value))
+        if found:
+            unknown += found
+            continue
+        try:
+            _guard("", lambda k=key, v=value: OmegaConf.update(cfg, k, v, merge=True), RecipeConfig, key)
+        except RecipeError:
+            if unknown:
+                break
+            raise
+    return unknown
+
+
+def _parse_override(item: str, cfg: DictConfig) -> tuple[str, Any]:
+    """``(key, value)`` of ``key=value``, the value typed by the schema at ``key``
+    (``mmformer.recipe.schema.override_value``). Raises ``RecipeError`` for a malformed override."""
     if "=" not in item:
         raise RecipeError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
     key, _, text = item.partition("=")
-    value = OmegaConf.from_dotlist([f"v={text}"]).v  # YAML typing: 1e-3 float, null None, false bool
-    if OmegaConf.is_config(value):
-        value = OmegaConf.to_container(value)
-    return key.strip(), value
+    key = key.strip()
+    try:
+        return key, override_value(text, cfg, _key_path(key))
+    except yaml.YAMLError as e:
+        raise RecipeError(
+            f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]})"
+        ) from None
+
+
+def _key_path(key: str) -> tuple[str, ...]:
+    """``optim.betas[1]`` → ``('optim', 'betas', '1')``."""
+    return tuple(re.sub(r"\[([^\]]*)\]", r".\1", key).split("."))
+
+
+def _nested(path: tuple[str, ...], value: Any) -> dict:
+    """``{'optim': {'lr': value}}`` for ``('optim', 'lr')``."""
+    for part in reversed(path):
+        value = {part: value}
+    return value
+
+
+def _without(raw: DictConfig, unknown: list) -> DictConfig:
+    """``raw`` less the keys at the paths in ``unknown`` (the rest is still checked)."""
+    if not unknown:
+        return raw
+    data = OmegaConf.to_container(raw)
+    for path, _ in unknown:
+        node = data
+        for part in path:  # the paths name keys as text: a YAML key may be a number
+            parent, node = node, next((v for k, v in node.items() if str(k) == part), None)
+        parent.pop(next(k for k in parent if str(k) == path[-1]))
+    return OmegaConf.create(data)
 
 
 def _component(group: str, node: Any, where: str, default_kind: str | None = None):

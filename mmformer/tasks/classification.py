@@ -70,7 +70,9 @@ class ClassificationTask(TaskBase):
         )
 
     def validation_update(self, model: MultimodalModel, batch: dict) -> None:
-        logits = self.logits(model, batch)
+        logits = self.logits(model, batch)  # also for zero rows: a sharded model's ranks forward in step
+        if logits.shape[0] == 0:  # every sample of the batch was unreadable: left out, counted as skipped
+            return
         loss = F.cross_entropy(logits.float(), batch["label"], reduction="none")
         self.val_metrics["loss"].update(loss)
         self.val_metrics["acc"].update(logits, batch["label"])
@@ -84,6 +86,9 @@ class ClassificationTask(TaskBase):
         val = ctx.val
         classes = getattr(val, "classes", None) or [str(i) for i in range(self.num_classes)]
         items = [val[i] for i in range(min(self.media_clips, len(val)))]
+        items = [it for it in items if not it.get("stand_in")]  # an unreadable clip's replacement
+        if not items:
+            return []
         batch = {k: v.to(ctx.device) if torch.is_tensor(v) else v for k, v in collate_audio(items).items()}
         logits = ctx.forward(self.logits, ctx.model, batch)  # (n, K)
         prob, pred = logits.float().softmax(-1).max(-1)

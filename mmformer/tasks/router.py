@@ -27,7 +27,9 @@ from ..data.windows import WINDOW
 from ..models import parallelize
 from ..models.backbone import Backbone
 from ..models.model import MultimodalModel
+from ..training.checkpoint_io import resume_hint
 from ..training.optim import build_optimizer, build_scheduler
+from ..training.steps import forget_step_values, logged_step
 from .base import Task
 
 
@@ -141,6 +143,7 @@ class MultiTaskModule(L.LightningModule):
         self.nonfinite_steps = 0  # updates skipped so far (this process's run)
         self.nonfinite_in_a_row = 0
         self._configured = False
+        self._forgot_at = -1  # the global step whose first micro-batch dropped the previous step's values
         self._window_loss: dict[str, list] = {}  # task → [Σ loss·units, units, micro-batches] this window
         self._window_steps = 0  # micro-batches of this rank's window so far
         self._window_totals: list[list[float]] = []  # per task: micro-batches, units, over all ranks
@@ -261,6 +264,9 @@ class MultiTaskModule(L.LightningModule):
             if task_batch is None:
                 continue
             task = self.tasks[name]
+            if task.batch_size(task_batch) == 0 and self.device_mesh is None:
+                continue  # every sample of this batch was unreadable (left out of every metric); under
+                # FSDP2 each rank still runs the forward its peers' all-gathers wait for
             self(task.validation_update, self.model, task_batch)
             for metric_name, metric in task.val_metrics.items():
                 self.log(
@@ -288,6 +294,9 @@ class MultiTaskModule(L.LightningModule):
                 part.train(any(p.requires_grad for p in params))
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.trainer.global_step != self._forgot_at:  # the first micro-batch of an optimizer step
+            forget_step_values(self.trainer)  # a row carries only what its own step logged
+            self._forgot_at = self.trainer.global_step
         # a validation that generated text left the backbones' weights in the decode layout (rank 0 only,
         # for the text samples): restore it on every rank before DDP's forward sees the weights
         for m in self.model.modules():
@@ -318,7 +327,8 @@ class MultiTaskModule(L.LightningModule):
             self._skip_update(params)
             return
         self.nonfinite_in_a_row = 0
-        if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
+        # only on the steps whose row Lightning writes: (steps before this one + 1) % log_every_n_steps == 0
+        if (logged_step(self.trainer) + 1) % max(1, self.trainer.log_every_n_steps) == 0:
             self.log("train/grad_norm", total_grad_norm(params))
 
     # ------------------------------------------------------------------ non-finite steps
@@ -337,8 +347,7 @@ class MultiTaskModule(L.LightningModule):
             raise FloatingPointError(
                 f"the loss or its gradients were NaN / inf for {limit} steps in a row (last: step {step}, "
                 f"tasks {tasks}); the run stops. Lower optim.lr, check the data of those tasks, use "
-                "trainer.precision=32-true, or raise optim.max_nonfinite_steps. Resume from the last "
-                "checkpoint with resume=auto."
+                "trainer.precision=32-true, or raise optim.max_nonfinite_steps. " + resume_hint(self.trainer)
             )
         rank_zero_warn(
             f"step {step}: the loss or its gradients are NaN / inf (tasks {tasks}); the update is skipped "

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..nn.masks import require_bool
 from ..nn.tokens import MODALITY_IDS, Tokens
 
 SPECIAL_TOKENS = {
@@ -265,9 +266,10 @@ class TextEmbedding(nn.Module):
     ) -> Tokens:
         """``document (B, N)``: packed-sequence ids; positions then restart at each document.
         ``token_type (B, N)`` long: BERT's segment ids (default 0). Padded ids are never looked up, so a
-        pad id outside the embedding (one added to a pretrained vocabulary) is harmless."""
+        pad id outside the embedding (one added to a pretrained vocabulary) is harmless. Raises
+        ``TypeError`` for a ``valid`` that is not bool (True = real token)."""
         if valid is not None:
-            ids = ids.masked_fill(~valid, 0)
+            ids = ids.masked_fill(~require_bool(valid, "valid"), 0)
         x = self.embed(ids)  # (B, N, D)
         tokens = Tokens.from_embeddings(
             x, MODALITY_IDS["text"], valid=valid, positions=positions, n_pos_axes=self.n_pos_axes

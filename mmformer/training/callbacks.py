@@ -18,6 +18,7 @@ from torchvision.utils import save_image
 from ..models.flops import FlopMeter
 from .media import Audio, Image, Media, MediaContext, sharded
 from .sharded_ema import ShardedEMAWeights, warmed_up_decay
+from .steps import logged_step
 
 log = logging.getLogger("mmformer")
 
@@ -176,40 +177,69 @@ class ThroughputLogger(L.Callback):
 
 
 class BadSampleReport(L.Callback):
-    """Collects the paths of unreadable samples that datasets skipped (batch key ``bad_samples``) and
-    prints the number of distinct files (over all ranks and epochs) and the first few paths at the end."""
+    """Collects the unreadable samples the datasets skipped (batch key ``bad_samples``): training replaced
+    each by the next readable sample, evaluation left it out of every metric (``mmformer.data.bad_samples``).
+
+    Each file is named once per run, by the dataset that meets it first; the paths seen here are marked
+    as named in this process, so data-loader workers started afterwards (training workers start afresh
+    every epoch) stay silent. At the end of a fit, or of a validation run alone, the number of distinct
+    files (over all ranks and epochs) is printed (``data/bad_samples N``) with the first few paths."""
 
     def __init__(self, show: int = 10):
         self.show = show
-        self.paths: dict[str, None] = {}
+        self.paths: dict[str, None] = {}  # all of them, in the order met
+        self.replaced: dict[str, None] = {}  # by training
+        self.left_out: dict[str, None] = {}  # by evaluation
 
-    def _collect(self, batch) -> None:
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from ..data.bad_samples import forget_reported
+
+        forget_reported()  # a new run names every file again, once
+
+    def _collect(self, batch, seen: dict[str, None]) -> None:
+        from ..data.bad_samples import mark_reported
+
         for task_batch in (batch or {}).values():
-            if isinstance(task_batch, dict):
-                for p in task_batch.get("bad_samples", []):
-                    self.paths[p] = None
+            if isinstance(task_batch, dict) and task_batch.get("bad_samples"):
+                paths = task_batch["bad_samples"]
+                seen.update(dict.fromkeys(paths))
+                self.paths.update(dict.fromkeys(paths))
+                mark_reported(paths)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._collect(batch)
+        self._collect(batch, self.replaced)
 
     def on_validation_batch_end(
         self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
     ) -> None:
-        self._collect(batch)
+        self._collect(batch, self.left_out)
 
     @property
     def count(self) -> int:
         return len(self.paths)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        paths = list(self.paths)
+        self._report(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if getattr(getattr(trainer, "state", None), "fn", None) == "validate":  # a validation run alone
+            self._report(trainer)
+
+    def _report(self, trainer) -> None:
+        groups = [list(self.paths), list(self.replaced), list(self.left_out)]
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered: list = [None] * trainer.world_size
-            torch.distributed.all_gather_object(gathered, paths)  # every rank takes part: no hang
-            paths = list(dict.fromkeys(p for rank_paths in gathered for p in rank_paths))
+            torch.distributed.all_gather_object(gathered, groups)  # every rank takes part: no hang
+            groups = [list(dict.fromkeys(p for rank in gathered for p in rank[k])) for k in range(3)]
+        paths, replaced, left_out = groups
         if trainer.is_global_zero and paths:
             log.warning(
-                "skipped %d unreadable sample(s); first: %s", len(paths), ", ".join(paths[: self.show])
+                "skipped %d unreadable sample(s): training replaced %d by the next readable one, "
+                "evaluation left %d out of every metric; first: %s",
+                len(paths),
+                len(replaced),
+                len(left_out),
+                ", ".join(paths[: self.show]),
             )
             print(f"data/bad_samples {len(paths)}")
 
@@ -276,7 +306,8 @@ def _validation_weights(trainer, pl_module):
 
 class MediaSamples(L.Callback):
     """After each validation, every task's media (its ``media(ctx)`` hook: text samples, decoded texts,
-    audio tables, sample grids), logged to W&B as ``<name>/<task>`` at the global step; an image is also
+    audio tables, sample grids), logged to W&B as ``<name>/<task>`` at the step Lightning logs that
+    validation's metrics at (``steps.logged_step``: ``trainer/global_step`` agrees); an image is also
     written to the run folder as ``<name>/<task>-step<N>.png``. ``last`` keeps the latest records by
     key for other loggers. Rank 0 alone calls the hooks, except under FSDP2 (``_skip_media``)."""
 
@@ -294,7 +325,7 @@ class MediaSamples(L.Callback):
                     self._log(trainer, name, record)
 
     def _log(self, trainer, task: str, record: Media) -> None:
-        key, step = f"{record.name}/{task}", trainer.global_step
+        key, step = f"{record.name}/{task}", logged_step(trainer)  # the step of this validation's metrics
         self.last[key] = record
         if isinstance(record, Image):
             out = Path(trainer.default_root_dir) / record.name / f"{task}-step{step:06d}.png"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import secrets
 import subprocess
@@ -18,7 +19,11 @@ from pathlib import Path
 
 import lightning as L
 
-from .sharded import is_sharded
+from ..errors import UsageError
+from .checkpoint_io import NOT_MMFORMER, CheckpointError, carries_recipe, write_error
+from .sharded import is_sharded, read_meta
+
+log = logging.getLogger("mmformer")
 
 RUN_ID_ENV, RESUME_ENV = "MMFORMER_RUN_ID", "MMFORMER_RESUME_PATH"
 
@@ -49,20 +54,63 @@ def _new_run_id() -> str:
 
 
 def find_latest_resumable(name: str) -> Path | None:
-    """The newest ``last.ckpt`` among runs of recipe ``name``."""
+    """The newest ``last.ckpt`` among runs of recipe ``name`` (None: there is none, which is said). When
+    it is damaged, the newest intact checkpoint of the same run, which is said too.
+
+    Raises:
+        CheckpointError: that run has no intact checkpoint (the message lists its checkpoints).
+    """
     folder = runs_root() / name
     candidates = sorted(folder.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-    return candidates[-1] if candidates else None
+    if not candidates:
+        return None
+    last = candidates[-1]
+    problems = {}
+    others = sorted(last.parent.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in [last, *(p for p in others if p != last)]:
+        problems[path] = checkpoint_problem(path)
+        if problems[path] is None:
+            if path != last:
+                log.warning(
+                    f"resume=auto: {last} {problems[last]}; resuming from {path}, the newest intact "
+                    f"checkpoint of run {last.parent.parent.name}"
+                )
+            return path
+    listing = "; ".join(f"{p.name} {what}" for p, what in problems.items())
+    raise CheckpointError(
+        f"resume=auto: no intact checkpoint in {last.parent}: {listing}. Name one with resume=PATH, "
+        "or start a new run without resume"
+    )
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being resumed ("is truncated (…)", "is not an mmformer training
+    checkpoint …"), or None for an intact mmformer checkpoint. Cheap: a file's tensors are mapped, not read."""
+    try:
+        check_resumable(path)
+    except CheckpointError as e:
+        return str(e).removeprefix(f"{path} ")
+    return None
+
+
+def check_resumable(path: Path) -> None:
+    """Raises ``CheckpointError`` naming ``path`` unless it is an intact mmformer training checkpoint
+    (a file, or a sharded folder whose ``meta.pt`` reads)."""
+    if not carries_recipe(read_meta(path)):
+        raise CheckpointError(f"{path} {NOT_MMFORMER}")
 
 
 def open_run(name: str, resume: str | None) -> Run:
     """Create (or, for ``resume``, reopen) the run folder and agree on it across processes.
 
-    ``resume``: ``None`` (new run), ``"auto"`` (newest ``last.ckpt`` of this recipe name, else a new run)
-    or a checkpoint path (its run folder is reused when it lies inside one).
+    ``resume``: ``None`` (new run), ``"auto"`` (newest ``last.ckpt`` of this recipe name, else a new run;
+    a damaged one falls back to the newest intact checkpoint of its run) or a checkpoint path (its run
+    folder is reused when it lies inside one).
 
     Raises:
         FileNotFoundError: ``resume`` names a checkpoint that does not exist.
+        CheckpointError: the checkpoint to resume is damaged, foreign or unsafe (:func:`checkpoint_problem`).
+        UsageError: the run folder cannot be written (a read-only runs folder).
     """
     if os.environ.get(RUN_ID_ENV):  # a child process: the launcher already decided
         run_id = os.environ[RUN_ID_ENV]
@@ -76,18 +124,47 @@ def open_run(name: str, resume: str | None) -> Run:
             resume_from = Path(resume)
             if not (resume_from.is_file() or is_sharded(resume_from)):
                 raise FileNotFoundError(f"resume checkpoint {str(resume_from)!r} does not exist")
+            check_resumable(resume_from)
         if resume_from is not None and resume_from.parent.name == "checkpoints":
             run_dir = resume_from.parent.parent
             run_id = run_dir.name
         else:
             run_id = _new_run_id()
             run_dir = runs_root() / name / run_id
+        check_writable(run_dir)
+        if resume == "auto" and resume_from is None:
+            log.warning(f"resume=auto: {_nothing_to_resume(name)}; starting a new run in {run_dir}")
         os.environ[RUN_ID_ENV] = run_id
         if resume_from is not None:
             os.environ[RESUME_ENV] = str(resume_from.resolve())
     info = read_run_json(run_dir)
     wandb_id = info.get("wandb_id") or _wandb_id(run_id)
     return Run(name=name, run_id=run_id, dir=run_dir, resume_from=resume_from, wandb_id=wandb_id)
+
+
+def _nothing_to_resume(name: str) -> str:
+    """Why ``resume=auto`` found nothing: no ``last.ckpt`` under the recipe's runs, and what is there
+    instead (another checkpoint to name with ``resume=PATH``; a temporary file a killed save left)."""
+    folder = runs_root() / name
+    found = sorted(folder.glob("*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
+    unfinished = sorted(folder.glob("*/checkpoints/.*.tmp"))
+    notes = [f"resume={found[-1]} continues from the newest checkpoint there"] if found else []
+    notes += [f"an unfinished save left {p}" for p in unfinished[-1:]]
+    extra = f" ({'; '.join(notes)})" if notes else ""
+    return f"no last.ckpt of recipe {name!r} under {folder}{extra}"
+
+
+def check_writable(run_dir: Path) -> None:
+    """Raises ``UsageError`` naming the folder when ``run_dir/checkpoints`` cannot be created or written
+    (a read-only runs folder or file system)."""
+    target = run_dir / "checkpoints"
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "runs folder" if existing.resolve() == runs_root().resolve() else "folder"
+        raise UsageError(
+            f"{what} {existing} is read-only: cannot write the run folder {run_dir} "
+            "(set MMFORMER_RUNS to a writable folder)"
+        )
 
 
 def _wandb_id(run_id: str) -> str:
@@ -154,16 +231,20 @@ class RunFolder(L.Callback):
         self.run, self.recipe_yaml = run, recipe_yaml
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        """Raises ``CheckpointError`` naming the file that cannot be written (a full disk)."""
         if stage != "fit" or not trainer.is_global_zero:  # not again for the closing validation
             return
-        self.run.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            _raise_write_error(e, self.run.dir)
         info = read_run_json(self.run.dir)
         first = self.run.dir / "recipe.yaml"
         if not first.is_file():
-            first.write_text(self.recipe_yaml)
+            _write_file(first, self.recipe_yaml)
         elif recipe_changes(first.read_text(), self.recipe_yaml):
             n = len(info.get("resumes", [])) + 1
-            (self.run.dir / f"recipe.resume-{n}.yaml").write_text(self.recipe_yaml)
+            _write_file(self.run.dir / f"recipe.resume-{n}.yaml", self.recipe_yaml)
         now = dt.datetime.now().isoformat(timespec="seconds")
         if not info:
             info = {
@@ -177,6 +258,23 @@ class RunFolder(L.Callback):
             }
         if self.run.resume_from is not None:
             info.setdefault("resumes", []).append({"time": now, "from": str(self.run.resume_from)})
-        tmp = self.run.dir / "run.json.tmp"
-        tmp.write_text(json.dumps(info, indent=2) + "\n")
-        os.replace(tmp, self.run.dir / "run.json")
+        _write_file(self.run.dir / "run.json", json.dumps(info, indent=2) + "\n")
+
+
+def _write_file(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file renamed over it). Raises ``CheckpointError``
+    naming ``path`` when it cannot be written (a full disk); the temporary file is removed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        _raise_write_error(e, path)
+
+
+def _raise_write_error(e: OSError, path: Path) -> None:
+    error = write_error(e, path)
+    if error is None:
+        raise e
+    raise error from e

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
+from .checkpoint_io import read_checkpoint_file
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 
@@ -23,20 +23,24 @@ def is_sharded(path: str | Path) -> bool:
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     """The checkpoint without its tensors' shards: everything for a sharded folder's ``meta.pt`` (recipe,
-    tokenizers, loop state), the whole dictionary for a file. Loaded with ``weights_only=True``."""
+    tokenizers, loop state), the whole dictionary for a file. Loaded with ``weights_only=True``.
+
+    Raises ``CheckpointError`` for a damaged, foreign or unsafe file (:func:`read_checkpoint_file`)."""
     path = Path(path)
-    target = path / META if is_sharded(path) else path
-    return torch.load(target, map_location="cpu", weights_only=True, mmap=not is_sharded(path))
+    if is_sharded(path):
+        return read_checkpoint_file(path / META)
+    return read_checkpoint_file(path, mmap=True)
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """A checkpoint file, or a sharded checkpoint folder merged in this process's memory (its shards
     gathered into full tensors: ``state_dict`` and ``optimizer_states``), as one dictionary.
 
-    Raises ``FileNotFoundError`` for a path that is neither."""
+    Raises ``FileNotFoundError`` for a path that is neither, ``CheckpointError`` for a damaged, foreign
+    or unsafe file (:func:`read_checkpoint_file`)."""
     path = Path(path)
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return read_checkpoint_file(path)
     if not is_sharded(path):
         raise FileNotFoundError(f"{path} is neither a checkpoint file nor a sharded checkpoint folder")
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -44,7 +48,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         merged = Path(tmp) / "merged.pt"
         dcp_to_torch_save(path, merged)  # no process group needed: read on one process
-        tensors = torch.load(merged, map_location="cpu", weights_only=True)
+        tensors = read_checkpoint_file(merged)
     checkpoint = read_meta(path)
     checkpoint["state_dict"] = tensors.pop("state_dict")
     optimizers = sorted(k for k in tensors if k.startswith("optimizer_"))
@@ -56,7 +60,7 @@ def export_safetensors(path: str | Path, out: str | Path) -> int:
     """Write a checkpoint's weights (file or sharded folder) to one safetensors file ``out``, keys as in
     the LightningModule's ``state_dict`` (``model.…``), with the recipe YAML in the file's metadata.
     Returns the number of tensors written."""
-    from safetensors.torch import save_file
+    from ..models.pretrained.export_files import save_safetensors
 
     checkpoint = read_checkpoint(path)
     state, seen = {}, set()
@@ -66,5 +70,5 @@ def export_safetensors(path: str | Path, out: str | Path) -> int:
         seen.add(ptr)
     recipe = checkpoint.get("mmformer", {}).get("recipe_yaml", "")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out), metadata={"format": "pt", "mmformer_recipe": recipe})
+    save_safetensors(state, out, metadata={"format": "pt", "mmformer_recipe": recipe})
     return len(state)

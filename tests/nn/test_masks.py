@@ -110,3 +110,22 @@ def test_a_model_refuses_a_valid_mask_that_is_not_bool(dtype):
     ids = torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(TypeError, match=r"valid must be a bool mask.*valid\.bool\(\)"):
         model(ids, "text", "lm", valid=torch.tensor([[0, 1, 1]], dtype=dtype))
+
+
+def test_the_kernels_and_the_text_embedding_refuse_masks_that_are_not_bool():
+    # public functions users call directly: an int 0/1 mask would be bit-inverted to -1 / -2 by `~`
+    from mmformer.nn.attention import eager_attention
+    from mmformer.nn.linear_attention import favor_attention, orthogonal_features
+    from mmformer.tokenizers.text import TextEmbedding
+
+    q = k = v = torch.randn(1, 2, 3, 4)
+    ones = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"mask must be a bool mask.*mask\.bool\(\)"):
+        eager_attention(q, k, v, ones[:, None, None, :])
+    with pytest.raises(TypeError, match=r"key_valid must be a bool mask"):
+        favor_attention(q, k, v, orthogonal_features(8, 4), key_valid=ones)
+    with pytest.raises(TypeError, match=r"valid must be a bool mask"):
+        TextEmbedding(20, 16)(ones, valid=ones)
+    torch.testing.assert_close(  # a bool mask of all True is no mask
+        eager_attention(q, k, v, ones[:, None, None, :].bool()), eager_attention(q, k, v, None)
+    )

@@ -54,6 +54,7 @@ def _setup(tmp_path, rank: int = 0, sharded: bool = False, sanity: bool = False)
         sanity_checking=sanity,
         is_global_zero=rank == 0,
         global_step=7,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=6)),
         default_root_dir=str(tmp_path),
         loggers=[wandb],
         callbacks=[],
@@ -69,11 +70,12 @@ def test_every_tasks_media_is_logged_once_by_name_and_images_are_written(tmp_pat
     assert [t.asked for t in tasks] == [1, 1]
     kinds = [(c[0], c[1]) for c in wandb.calls]
     assert kinds == [("table", "decoded/text"), ("image", "samples/grid"), ("table", "audio/grid")]
-    assert wandb.calls[0][2:] == (["reference", "decoded"], [["a b", "a c"]], 7)
-    assert wandb.calls[1][4] == {"caption": ["a cat | a dog"]} and wandb.calls[1][3] == 7
+    # at the step Lightning logs the validation's metrics at (6 optimizer steps before this one), not 7
+    assert wandb.calls[0][2:] == (["reference", "decoded"], [["a b", "a c"]], 6)
+    assert wandb.calls[1][4] == {"caption": ["a cat | a dog"]} and wandb.calls[1][3] == 6
     clip = wandb.calls[2][3][0][0]
     assert type(clip).__name__ == "Audio" and wandb.calls[2][3][0][1] == "low"  # a playable wandb.Audio
-    png = tmp_path / "samples" / "grid-step000007.png"
+    png = tmp_path / "samples" / "grid-step000006.png"
     assert PILImage.open(png).size == (7, 5)
     assert set(callback.last) == {"decoded/text", "samples/grid", "audio/grid"}
 

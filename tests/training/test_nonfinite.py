@@ -14,6 +14,7 @@ from mmformer.recipe import load_recipe
 from mmformer.tasks.classification import ClassificationTask
 from mmformer.tasks.router import all_finite
 from mmformer.training.preemption import Preempted
+from tests.training.test_logged_history import csv_rows
 
 
 class Snapshots(L.Callback):
@@ -44,7 +45,7 @@ def test_a_nan_step_leaves_the_weights_untouched_and_training_goes_on(tiny_recip
     snaps = Snapshots()
     recipe = load_recipe(tiny_recipe, ["trainer.max_epochs=1"])  # 4 steps
     with pytest.warns(UserWarning, match="NaN / inf"):
-        trainer, _ = train(recipe, extra_callbacks=[snaps])
+        trainer, run = train(recipe, extra_callbacks=[snaps])
     module = trainer.lightning_module
     assert module.nonfinite_steps == 2 and module.nonfinite_in_a_row == 0
     for step in (1, 2):  # skipped: bit-identical weights
@@ -52,6 +53,14 @@ def test_a_nan_step_leaves_the_weights_untouched_and_training_goes_on(tiny_recip
             assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(snaps.before[3], snaps.after[3], strict=True))
     assert all(torch.isfinite(p).all() for p in module.parameters())
+    # the rows of the skipped steps say so and carry no gradient norm (not the last good step's repeated)
+    rows = {int(r["step"]): r for r in csv_rows(run.dir) if "train/loss" in r}
+    assert [("train/grad_norm" in rows[s], rows[s].get("train/nonfinite_steps")) for s in range(4)] == [
+        (True, None),
+        (False, "1.0"),
+        (False, "2.0"),
+        (True, None),
+    ]
 
 
 def test_too_many_in_a_row_stop_the_run_with_a_clear_message(tiny_recipe, monkeypatch):

@@ -266,7 +266,7 @@ def save_hf_llama(
     """Write ``model`` as an HF Llama directory that ``LlamaForCausalLM.from_pretrained`` loads:
     ``config.json``, ``model.safetensors`` and, with a tokenizer, ``tokenizer.json`` and
     ``tokenizer_config.json`` (special tokens, chat template)."""
-    from safetensors.torch import save_file
+    from .export_files import save_safetensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -283,7 +283,7 @@ def save_hf_llama(
         if "pad" not in specials and "eos" in specials:
             specials["pad"], config["pad_token_id"] = specials["eos"], config["eos_token_id"]
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(mmformer_to_hf(model, config), str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(mmformer_to_hf(model, config), path / "model.safetensors", metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(path / "tokenizer.json")
         tc = {f"{n}_token": t for n, t in specials.items()}

@@ -2,7 +2,12 @@
 :func:`~mmformer.models.pretrained.timm_vit.describe_timm_vit` describes a timm checkpoint, and
 :func:`save_timm_vit` writes it in timm's Hugging Face layout (``model.safetensors`` + ``config.json``
 whose ``model_args`` rebuild exactly this architecture), which ``timm.create_model("local-dir:OUT")``
-loads. timm itself is not imported here."""
+loads. timm itself is not imported here.
+
+``config.json``'s ``architecture`` must be a name timm registers (its loader builds that model with the
+``model_args`` as overrides), so it is the plain timm ViT (Dosovitskiy et al. 2020, arXiv:2010.11929,
+Table 1; DeiT's tiny, arXiv:2012.12877) whose sizes the model has when there is one, else the one of
+the nearest width: :func:`timm_architecture`."""
 
 from __future__ import annotations
 
@@ -16,15 +21,37 @@ from ...nn.blocks import Block
 from ...tokenizers.image import ViTPatchTokenizer
 from ..heads import ClassifierHead
 from ..model import MultimodalModel
+from .export_files import save_safetensors
 from .timm_vit import mmformer_to_timm
+
+# timm's plain ViT families: (width, depth, heads, MLP hidden units), and the (patch, image) sizes timm
+# registers each at as ``vit_<family>_patch<P>_<S>`` (tests hold this table against timm itself).
+VIT_FAMILIES = {
+    "tiny": (192, 12, 3, 768),
+    "small": (384, 12, 6, 1536),
+    "base": (768, 12, 12, 3072),
+    "large": (1024, 24, 16, 4096),
+    "huge": (1280, 32, 16, 5120),
+    "giant": (1408, 40, 16, 6144),
+    "gigantic": (1664, 48, 16, 8192),
+}
+VIT_SIZES = {
+    "tiny": ((16, 224), (16, 384)),
+    "small": ((8, 224), (16, 224), (16, 384), (32, 224), (32, 384)),
+    "base": ((8, 224), (16, 224), (16, 384), (32, 224), (32, 384)),
+    "large": ((14, 224), (16, 224), (16, 384), (32, 224), (32, 384)),
+    "huge": ((14, 224),),
+    "giant": ((14, 224),),
+    "gigantic": ((14, 224),),
+}
 
 
 def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, head: str | None = None) -> Path:
     """Write ``model`` in timm's Hugging Face layout (``model.safetensors`` + ``config.json`` whose
     ``model_args`` rebuild exactly this architecture): ``timm.create_model("local-dir:OUT")`` loads it.
-    ``config`` is :func:`describe_timm_vit`'s description (or :func:`vit_config` of an mmformer model)."""
-    from safetensors.torch import save_file
-
+    ``config`` is :func:`describe_timm_vit`'s description (or :func:`vit_config` of an mmformer model);
+    without an ``architecture`` there, :func:`timm_architecture` names it. Both files get a normal
+    file's permissions."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = mmformer_to_timm(model, head)
@@ -55,7 +82,7 @@ def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, hea
     }
     if config.get("layer_scale") is not None:
         model_args["init_values"] = config["layer_scale"]
-    arch = config.get("architecture") or "vit_base_patch16_224"
+    arch = config.get("architecture") or timm_architecture(config)
     timm_cfg = {
         "architecture": arch,
         "num_classes": num_classes,
@@ -73,7 +100,7 @@ def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, hea
             "classifier": "head",
         },
     }
-    save_file(state, str(out / "model.safetensors"))
+    save_safetensors(state, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(timm_cfg, indent=2) + "\n")
     return out
 
@@ -109,8 +136,7 @@ def vit_config(model: MultimodalModel, head: str | None = None) -> dict:
     cls = heads[0] if len(heads) == 1 else None
     norm = bb.norm if isinstance(bb.norm, nn.LayerNorm) else (cls.fc_norm if cls is not None else None)
     ls = getattr(block, "ls1", None)
-    return {
-        "architecture": "vit_base_patch16_224",
+    config = {
         "model_args": {},
         "image_size": list(tok.patch_embed.image_size),
         "patch_size": tok.patch_embed.patch_size,
@@ -129,4 +155,25 @@ def vit_config(model: MultimodalModel, head: str | None = None) -> dict:
         "num_classes": cls.head.out_features if cls is not None else 0,
         "mean": list(tok.mean),
         "std": list(tok.std),
+    }
+    return {"architecture": timm_architecture(config), **config}
+
+
+def timm_architecture(config: dict) -> str:
+    """The timm model name for ``config`` (:func:`vit_config`'s keys): the plain timm ViT of the nearest
+    width, then the same patch size, then the nearest image size — so exactly the timm ViT whose width,
+    depth, heads, MLP, patch and image sizes these are when there is one (``vit_tiny_patch16_224``).
+    timm's loader needs a registered name; ``model_args`` carry the real sizes, which timm builds."""
+    d, p, (h, w) = config["d_model"], config["patch_size"], config["image_size"]
+    family = min(VIT_FAMILIES, key=lambda f: abs(math.log(VIT_FAMILIES[f][0] / d)))
+    patch, image = min(VIT_SIZES[family], key=lambda s: (s[0] != p, abs(s[1] - max(h, w))))
+    return f"vit_{family}_patch{patch}_{image}"
+
+
+def timm_vit_names() -> dict[str, tuple[str, int, int]]:
+    """``{timm name: (family, patch size, image size)}`` of the plain timm ViTs in :data:`VIT_SIZES`."""
+    return {
+        f"vit_{family}_patch{patch}_{image}": (family, patch, image)
+        for family, sizes in VIT_SIZES.items()
+        for patch, image in sizes
     }

@@ -1,0 +1,132 @@
+"""``key=value`` overrides typed by the recipe's schema (a string keeps the text typed), the spellings of
+"no resume", and every unknown key of a recipe and its overrides named in one error."""
+
+from pathlib import Path
+
+import pytest
+
+from mmformer.recipe import RecipeError, load_recipe
+from mmformer.training.runs import open_run
+
+QUICKSTART = Path(__file__).parents[1] / "recipes/image/vit_tiny_classify_mnist5k.yaml"
+
+
+def test_string_keys_keep_the_text_typed():
+    r = load_recipe(QUICKSTART, ["name=no", "logger.group=1.10", "logger.tags=[1e5, no, 0123]"])
+    assert r.name == "no"
+    assert r.logger.group == "1.10"
+    assert r.logger.tags == ["1e5", "no", "0123"]
+
+
+def test_component_string_key_keeps_the_text_typed():
+    # tasks.mnist.data is typed by its kind's config (image_folder: root is a str), not as YAML's octal 83
+    r = load_recipe(QUICKSTART, ["tasks.mnist.data.root=0123"])
+    assert r.tasks["mnist"].data.root == "0123"
+
+
+def test_whole_component_override_is_typed_by_its_kind():
+    r = load_recipe(QUICKSTART, ["tasks.mnist.data={kind: image_folder, root: 0123, batch_size: 16}"])
+    assert r.tasks["mnist"].data.root == "0123"
+    assert r.tasks["mnist"].data.batch_size == 16
+
+
+def test_quotes_and_null_on_string_keys():
+    r = load_recipe(QUICKSTART, ["name='yes'", "logger.group=null"])
+    assert r.name == "yes"
+    assert r.logger.group is None
+
+
+def test_numbers_and_booleans_where_the_schema_expects_them():
+    r = load_recipe(
+        QUICKSTART,
+        [
+            "optim.lr=3e-4",
+            "trainer.max_steps=5",
+            "trainer.compile=true",
+            "optim.betas=[0.8, 1e-1]",
+            "seed=0123",
+        ],
+    )
+    assert r.optim.lr == 3e-4 and isinstance(r.optim.lr, float)
+    assert r.trainer.max_steps == 5 and isinstance(r.trainer.max_steps, int)
+    assert r.trainer.compile is True
+    assert r.optim.betas == [0.8, 0.1]
+    assert r.seed == 123  # decimal, as typed (YAML 1.1 would read octal 83)
+
+
+def test_free_form_keys_keep_yaml_typing():
+    r = load_recipe(QUICKSTART, ["trainer.devices=2", "trainer.limit_train_batches=0.5"])
+    assert r.trainer.devices == 2
+    assert r.trainer.limit_train_batches == 0.5
+
+
+def test_wrong_type_still_names_the_key():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(QUICKSTART, ["trainer.max_steps=five"])
+    assert str(e.value) == "'trainer.max_steps' expects int, got 'five' (str)"
+
+
+@pytest.mark.parametrize("spelling", ["false", "False", "no", "none", "None", "null", "off"])
+def test_resume_spellings_of_no_resume_start_a_new_run(spelling, workdir):
+    recipe = load_recipe(QUICKSTART, [f"resume={spelling}"])
+    assert recipe.resume is None
+    run = open_run(recipe.name, recipe.resume)  # what `mmformer train` does with it
+    assert run.resume_from is None
+    assert run.dir.parent == workdir / "runs" / recipe.name
+
+
+def test_resume_no_in_the_recipe_file_is_no_resume(tmp_path):
+    (tmp_path / "r.yaml").write_text(QUICKSTART.read_text() + "resume: no\n")
+    assert load_recipe(tmp_path / "r.yaml").resume is None
+
+
+def test_resume_auto_and_a_path_are_kept(workdir):
+    assert load_recipe(QUICKSTART, ["resume=auto"]).resume == "auto"
+    missing = workdir / "nope" / "last.ckpt"
+    recipe = load_recipe(QUICKSTART, [f"resume={missing}"])
+    assert recipe.resume == str(missing)
+    with pytest.raises(FileNotFoundError, match=f"resume checkpoint '{missing}' does not exist"):
+        open_run(recipe.name, recipe.resume)
+
+
+FOREIGN_KEYS = """\
+epochs: 300
+model_ema: true
+optim: {lr: 1e-3, lrr: 5e-4}
+trainer: {max_epochs: 70, precison: bf16-mixed}
+"""
+
+
+def test_every_unknown_key_of_the_file_in_one_error(tmp_path):
+    text = QUICKSTART.read_text().replace("optim: {lr: 2e-3, weight_decay: 0.05, warmup_steps: 100}\n", "")
+    text = text.replace("trainer: {max_epochs: 70, precision: 32-true}\n", "")
+    text = text.replace("pool: mean,", "pool: mean, fc_nrom: true,")
+    (tmp_path / "r.yaml").write_text(text + FOREIGN_KEYS)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(tmp_path / "r.yaml")
+    assert str(e.value) == (
+        "5 unknown recipe keys: 'model.heads.digits.fc_nrom' (did you mean 'model.heads.digits.fc_norm'?), "
+        "'epochs', 'model_ema' (did you mean 'model'?), 'optim.lrr' (did you mean 'optim.lr'?), "
+        "'trainer.precison' (did you mean 'trainer.precision'?)"
+    )
+
+
+def test_unknown_keys_of_file_and_overrides_together(tmp_path):
+    (tmp_path / "r.yaml").write_text(QUICKSTART.read_text() + "epochs: 300\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(
+            tmp_path / "r.yaml", ["optim.lrr=1e-3", "trainer.max_steps=5", "tasks.mnist.data.batchsize=8"]
+        )
+    assert str(e.value) == (
+        "3 unknown recipe keys: 'epochs', 'optim.lrr' (did you mean 'optim.lr'?), "
+        "'tasks.mnist.data.batchsize' (did you mean 'tasks.mnist.data.batch_size'?)"
+    )
+
+
+def test_a_lone_unknown_key_lists_the_valid_ones():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(QUICKSTART, ["logger.projet=x"])
+    assert str(e.value) == (
+        "unknown recipe key 'logger.projet'. Did you mean 'logger.project'? "
+        "Valid keys here: mode, project, entity, group, tags."
+    )
