@@ -4,7 +4,7 @@ and ``pretrained`` (the backbone of real pretrained weights, ``mmformer.models.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -22,6 +22,7 @@ from ..models.backbone_config import (
 )
 from ..models.presets import preset
 from ..nn.attention import KERNELS, SDPA_BACKENDS
+from ..nn.kernels import check_options, kernel_rules, supporting
 from ..nn.mlp import ACTIVATIONS
 from ..nn.norms import NORMS
 from ..nn.tokens import MODALITY_IDS
@@ -75,6 +76,8 @@ class BackboneConfig:
     final_norm: bool = True
     attn_kernel: str = "auto"  # auto | sdpa | flex | eager | performer (random-feature linear attention)
     performer_features: int = 256  # performer: random features per head
+    # options of a registered kernel (mmformer/nn/kernels: lsh, aft_full, aft_local, aft_simple, rfa …)
+    kernel_options: dict[str, Any] = field(default_factory=dict)
     sdpa_backend: str = "auto"  # auto | flash | efficient | cudnn | math (CUDA only)
 
     def __post_init__(self) -> None:
@@ -92,7 +95,9 @@ class BackboneConfig:
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.attn_kernel not in KERNELS:
-            raise ValueError(f"attn_kernel={self.attn_kernel!r}; choose from {KERNELS}")
+            hint = did_you_mean(self.attn_kernel, KERNELS, quote="'")
+            raise ValueError(f"attn_kernel={self.attn_kernel!r}.{hint} Choose from {', '.join(KERNELS)}")
+        check_options(self.attn_kernel, dict(self.kernel_options))
         for name, allowed in (
             ("block", BLOCKS),
             ("norm", NORMS),
@@ -116,6 +121,32 @@ class BackboneConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def mask_rules(self, recipe, where: str) -> set[str]:
+        """The mask rules (``nn.kernels.MASK_RULES``) this backbone's attention must implement in
+        ``recipe``: its own settings, and for ``model.backbone`` the tasks that read it (a prefix-LM's
+        bidirectional prefix is a span, a causal LM's order is causal)."""
+        needs = {"causal"} if self.causal else set()
+        needs |= {"spans"} if self.bidirectional else set()
+        needs |= {"window"} if self.window else set()
+        needs |= {"sparse"} if self.bigbird_block else set()
+        if where == "model.backbone":
+            kinds = {getattr(t, "kind", None) for t in recipe.tasks.values()}
+            needs |= {"causal"} if kinds & {"causal_lm", "prefix_lm"} else set()
+            needs |= {"spans"} if "prefix_lm" in kinds else set()
+        return needs
+
+    def check(self, recipe, where: str) -> None:
+        """Refuses an ``attn_kernel`` that does not implement a mask rule the recipe needs, naming the
+        kernels that do."""
+        needs = self.mask_rules(recipe, where)
+        missing = needs - kernel_rules(self.attn_kernel)
+        if missing:
+            raise RecipeError(
+                f"'{where}.attn_kernel': {self.attn_kernel} does not implement {', '.join(sorted(missing))} "
+                f"masks, which this recipe needs ({', '.join(sorted(needs))}); kernels that do: "
+                f"{', '.join(supporting(frozenset(needs)))}"
+            )
 
 
 @dataclass
@@ -148,6 +179,7 @@ def build_transformer(cfg: BackboneConfig, ctx: BuildContext) -> Backbone:
         kernel=cfg.attn_kernel,
         sdpa_backend=cfg.sdpa_backend,
         performer_features=cfg.performer_features,
+        kernel_options=dict(cfg.kernel_options),
     )
     mlp = MlpConfig(ratio=cfg.mlp_ratio, hidden=cfg.mlp_hidden, act=cfg.act, bias=cfg.mlp_bias, drop=cfg.drop)
     positions = PositionConfig(

@@ -325,6 +325,7 @@ def build_backbone(
             sdpa_backend=a.sdpa_backend,
             proj_bias=a.proj_bias,
             performer_features=a.performer_features,
+            kernel_options=a.kernel_options,
         )
 
     def make(i: int) -> nn.Module:

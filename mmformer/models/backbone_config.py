@@ -18,11 +18,12 @@ impossible value. A recipe's flat ``model.backbone`` section is mapped onto them
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from ..nn.attention import KERNELS, SDPA_BACKENDS
+from ..nn.kernels import check_options
 from ..nn.masks import bigbird_layout
 from ..nn.mlp import ACTIVATIONS
 
@@ -63,6 +64,8 @@ class AttentionConfig:
         sdpa_backend: the SDPA backend forced on CUDA (``auto``, ``flash``, ``efficient``, ``cudnn``, ``math``).
         performer_features: random features per head of the ``performer`` kernel (FAVOR+, Choromanski et
             al. 2021, arXiv:2009.14794 §2.4); more features, a closer approximation of softmax attention.
+        kernel_options: the options of a registered kernel (``mmformer.nn.kernels``: ``lsh``, ``aft_*``,
+            ``rfa`` …), e.g. ``{"n_buckets": 16, "n_hashes": 2}``.
     """
 
     n_heads: int
@@ -75,9 +78,12 @@ class AttentionConfig:
     kernel: str = "auto"
     sdpa_backend: str = "auto"
     performer_features: int = 256
+    kernel_options: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         _positive(self, "n_heads", "n_kv_heads", "performer_features")
+        _choice("attention kernel", self.kernel, KERNELS)
+        check_options(self.kernel, self.kernel_options)
         _probability(self, "attn_drop", "proj_drop")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")

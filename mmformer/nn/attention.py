@@ -39,12 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kernels import KERNEL_CLASSES, build_kernel
 from .kv_cache import KVCache
 from .linear_attention import favor_attention, orthogonal_features
 from .masks import MaskSpec, require_bool, to_additive
 from .positions import RotaryEmbedding, alibi_bias
 
-KERNELS = ("auto", "eager", "sdpa", "flex", "performer")
+KERNELS = ("auto", "eager", "sdpa", "flex", "performer", *KERNEL_CLASSES)  # + nn/kernels/*.py
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
@@ -247,9 +248,11 @@ class Attention(nn.Module):
         proj_bias: bias on the output projection (timm and BERT have one, Llama has none).
         performer_features: random features per head of the ``performer`` kernel (FAVOR+, drawn once
             with a fixed seed; ``mmformer.nn.linear_attention``).
+        kernel_options: keyword options of a registered kernel (``mmformer.nn.kernels``: LSH, AFT, RFA …),
+            e.g. ``{"n_buckets": 16}``; refused for a kernel that does not take them.
 
     Raises:
-        ValueError: indivisible widths / head counts, an unknown kernel or backend, or
+        ValueError: indivisible widths / head counts, an unknown kernel, kernel option or backend, or
         ``performer_features < 1``.
     """
 
@@ -268,6 +271,7 @@ class Attention(nn.Module):
         sdpa_backend: str = "auto",
         proj_bias: bool = True,
         performer_features: int = 256,
+        kernel_options: dict | None = None,
     ):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -280,8 +284,9 @@ class Attention(nn.Module):
         if performer_features < 1:
             raise ValueError(f"performer_features must be >= 1, got {performer_features}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        self.performer_features, self.kernel_options = performer_features, dict(kernel_options or {})
+        # the kernel after the head sizes and options: a registered kernel builds its module (nn/kernels)
         self.kernel, self.sdpa_backend, self.attn_drop, self.cross = kernel, sdpa_backend, attn_drop, cross
-        self.performer_features = performer_features
         H, Hkv, Dh = n_heads, n_kv_heads, self.head_dim
         if cross:
             self.q = nn.Linear(d_model, H * Dh, bias=qkv_bias)
@@ -302,6 +307,11 @@ class Attention(nn.Module):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose from {KERNELS}")
         self._kernel = kernel
+        self.kernel_module = (  # a kernel that is a module of its own (nn/kernels), else None
+            build_kernel(kernel, self.n_heads, self.head_dim, self.kernel_options)
+            if kernel in KERNEL_CLASSES
+            else None
+        )
 
     # ------------------------------------------------------------------ projections
     def _project(
@@ -401,6 +411,11 @@ class Attention(nn.Module):
         dropout_p = self.attn_drop if self.training else 0.0
         if kernel == "performer":
             return self._performer(q, k, v, mask)
+        if self.kernel_module is not None:  # a registered kernel (nn/kernels): the mask rule is all it reads
+            self.kernel_module.check(mask)
+            if self.n_kv_heads != self.n_heads:
+                k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+            return self.kernel_module(q, k, v, mask)
         prepared = inputs.kernel_mask
         if prepared is None or kernel not in prepared.kernels or (prepared.n_q, prepared.n_k) != (Nq, Nk):
             # a layer used alone (not from a backbone's forward): build this call's forms itself

@@ -1,0 +1,130 @@
+"""Attention kernels that are modules of their own: one file per kernel, registered by name, chosen by
+``Attention(kernel=NAME, kernel_options={...})`` (recipes: ``model.backbone.attn_kernel`` and
+``model.backbone.kernel_options``).
+
+A kernel receives the per-head projections and the layer's mask rule and returns the attended values:
+``forward(q, k, v, mask) -> (B, H, Nq, Dh)`` with ``q (B, H, Nq, Dh)``, ``k, v (B, H, Nk, Dh)`` (key/value
+heads already repeated to ``H``; padded keys and values zeroed) and ``mask`` a ``MaskSpec`` (True = may
+attend). It declares the mask rules it implements in ``masks`` (``MASK_RULES``); ``Attention`` refuses a
+mask that uses any other, before running it (``check``), and recipes are refused at load
+(``components.backbones``) with the kernels that do support what the recipe needs named. Options are
+the subclass's keyword arguments after ``n_heads`` and ``head_dim``; an unknown one is refused with a
+did-you-mean (``kernel_class``, ``check_options``). A kernel may own parameters (AFT's position biases,
+RFA's gates): they live in the attention layer as ``kernel_module``.
+
+The softmax kernels (``eager``, ``sdpa``, ``flex``) and the Performer stay inside ``nn.attention``: they
+share its prepared dense / block masks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import ClassVar
+
+from torch import Tensor, nn
+
+from ..masks import MaskSpec
+
+# the rules a MaskSpec can combine (nn.masks): key padding, causal order, packed documents, bidirectional
+# spans inside a causal sequence (prefix-LM, images in a causal stream), sliding windows, block-sparse
+# layouts, and queries offset behind a KV cache
+MASK_RULES = ("padding", "causal", "documents", "spans", "window", "sparse", "cache")
+
+KERNEL_CLASSES: dict[str, type[AttentionKernel]] = {}
+
+
+def mask_rules(mask: MaskSpec) -> frozenset[str]:
+    """The rules ``mask`` uses (``MASK_RULES``)."""
+    used = {
+        "padding": mask.valid is not None,
+        "causal": mask.causal,
+        "documents": mask.document is not None,
+        "spans": mask.span is not None,
+        "window": mask.window is not None,
+        "sparse": mask.sparse_layout is not None,
+        "cache": bool(mask.q_offset),
+    }
+    return frozenset(rule for rule, on in used.items() if on)
+
+
+class AttentionKernel(nn.Module):
+    """Base of registered kernels (module docstring). Subclasses set ``name`` and ``masks`` and implement
+    ``forward``; ``n_heads`` and ``head_dim`` are the layer's."""
+
+    name: ClassVar[str]
+    masks: ClassVar[frozenset[str]] = frozenset({"padding"})
+
+    def __init__(self, n_heads: int, head_dim: int):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+
+    def check(self, mask: MaskSpec) -> None:
+        """Raises ``ValueError`` when ``mask`` uses a rule this kernel does not implement."""
+        missing = mask_rules(mask) - self.masks
+        if missing:
+            able = supporting(mask_rules(mask))
+            raise ValueError(
+                f"the {self.name} kernel does not implement {', '.join(sorted(missing))} masks "
+                f"(it implements {', '.join(sorted(self.masks))}); kernels that do: {', '.join(able)}"
+            )
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+def register_kernel(cls: type[AttentionKernel]) -> type[AttentionKernel]:
+    """Class decorator: makes ``cls`` available as ``kernel=cls.name``."""
+    KERNEL_CLASSES[cls.name] = cls
+    return cls
+
+
+SOFTMAX_RULES = frozenset(MASK_RULES)  # eager / sdpa / flex implement every rule
+PERFORMER_RULES = frozenset({"padding", "causal"})
+
+
+def supporting(rules: frozenset[str]) -> list[str]:
+    """Every kernel name that implements all of ``rules``."""
+    names = [k for k in ("eager", "sdpa", "flex") if rules <= SOFTMAX_RULES]
+    names += ["performer"] if rules <= PERFORMER_RULES else []
+    return names + [n for n, cls in KERNEL_CLASSES.items() if rules <= cls.masks]
+
+
+def kernel_rules(name: str) -> frozenset[str]:
+    """The mask rules kernel ``name`` implements."""
+    if name in ("auto", "eager", "sdpa", "flex"):
+        return SOFTMAX_RULES
+    if name == "performer":
+        return PERFORMER_RULES
+    return KERNEL_CLASSES[name].masks
+
+
+def check_options(name: str, options: dict) -> None:
+    """Raises ``ValueError`` for options kernel ``name`` does not take (with a did-you-mean), or any
+    options for a kernel that takes none."""
+    cls = KERNEL_CLASSES.get(name)
+    allowed = [] if cls is None else list(inspect.signature(cls.__init__).parameters)[3:]
+    for key in options:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+            raise ValueError(f"kernel {name!r} has no option {key!r}.{hint} ({takes})")
+
+
+def build_kernel(name: str, n_heads: int, head_dim: int, options: dict | None = None) -> AttentionKernel:
+    """The registered kernel ``name`` for a layer of ``n_heads`` heads of width ``head_dim``."""
+    options = dict(options or {})
+    check_options(name, options)
+    return KERNEL_CLASSES[name](n_heads, head_dim, **options)
+
+
+def _load_builtin() -> None:
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+
+
+_load_builtin()
