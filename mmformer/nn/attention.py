@@ -307,11 +307,13 @@ class Attention(nn.Module):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose from {KERNELS}")
         self._kernel = kernel
-        self.kernel_module = (  # a kernel that is a module of its own (nn/kernels), else None
-            build_kernel(kernel, self.n_heads, self.head_dim, self.kernel_options)
-            if kernel in KERNEL_CLASSES
-            else None
-        )
+        # a kernel that is a module of its own (nn/kernels); kept while another kernel is switched in for
+        # a while (FLOP counting switches to eager), so its parameters survive the round trip
+        current = getattr(self, "kernel_module", None)
+        if kernel in KERNEL_CLASSES and (current is None or current.name != kernel):
+            self.kernel_module = build_kernel(kernel, self.n_heads, self.head_dim, self.kernel_options)
+        elif current is None:
+            self.kernel_module = None
 
     # ------------------------------------------------------------------ projections
     def _project(
@@ -411,8 +413,13 @@ class Attention(nn.Module):
         dropout_p = self.attn_drop if self.training else 0.0
         if kernel == "performer":
             return self._performer(q, k, v, mask)
-        if self.kernel_module is not None:  # a registered kernel (nn/kernels): the mask rule is all it reads
+        if kernel in KERNEL_CLASSES:  # a registered kernel (nn/kernels): the mask rule is all it reads
             self.kernel_module.check(mask)
+            if inputs.alibi_slopes is not None or inputs.rel_table is not None:
+                raise ValueError(
+                    f"the {kernel} kernel takes no score bias (ALiBi, T5 / Toeplitz relative positions): "
+                    "use positions rope or none with it, or a softmax kernel (eager, sdpa, flex)"
+                )
             if self.n_kv_heads != self.n_heads:
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
             return self.kernel_module(q, k, v, mask)
