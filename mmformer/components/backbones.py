@@ -44,6 +44,8 @@ class BackboneConfig:
     mlp_hidden: Optional[int] = None  # overrides mlp_ratio · d_model
     block: str = "pre"  # pre | post (BERT) | cross (decoder with cross-attention) | adaln (DiT) | conformer
     conv_kernel: int = 31  # conformer: depthwise convolution width, in tokens (odd)
+    reversible: bool = False  # pre: Reformer's reversible layers, activation memory flat in depth
+    ff_chunks: int = 1  # reversible: the feed-forward runs over this many pieces of the sequence
     d_context: Optional[int] = None  # cross: width of the encoder output it attends to (default d_model)
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-6
@@ -140,6 +142,15 @@ class BackboneConfig:
         """Refuses an ``attn_kernel`` that does not implement a mask rule the recipe needs, naming the
         kernels that do."""
         needs = self.mask_rules(recipe, where)
+        if self.attn_kernel not in ("auto", "eager", "sdpa", "flex") and self.positions in (
+            "alibi",
+            "t5",
+            "toeplitz",
+        ):
+            raise RecipeError(
+                f"'{where}.attn_kernel': {self.attn_kernel} takes no score bias, which positions "
+                f"{self.positions} adds; use positions rope or none with it, or kernel eager, sdpa or flex"
+            )
         missing = needs - kernel_rules(self.attn_kernel)
         if missing:
             raise RecipeError(
@@ -199,6 +210,8 @@ def build_transformer(cfg: BackboneConfig, ctx: BuildContext) -> Backbone:
         d_cond=cfg.d_cond,
         d_context=cfg.d_context,
         conv_kernel=cfg.conv_kernel,
+        reversible=cfg.reversible,
+        ff_chunks=cfg.ff_chunks,
     )
     return build_backbone(
         cfg.d_model,

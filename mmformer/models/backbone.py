@@ -14,6 +14,7 @@ Tokenizers own embeddings (absolute positions included), heads own pooling and o
   BERT (post-norm)          ``… block=BlockConfig("post"), norm_eps=1e-12``
   Whisper decoder           ``… block=BlockConfig("cross"), causal=True``  (forward with ``context=``)
   DiT                       ``… block=BlockConfig("adaln", d_cond=D)``      (forward with ``cond=``)
+  Reformer-style reversible ``… block=BlockConfig(reversible=True, ff_chunks=4)`` (``mmformer.nn.reversible``)
 
 What every layer's attention reads besides its input — the mask, RoPE angles, ALiBi / relative biases,
 the sliding-window and BigBird layouts, and the mask's dense or ``BlockMask`` form — is computed once
@@ -35,6 +36,7 @@ from ..nn.masks import MaskSpec
 from ..nn.mlp import build_mlp
 from ..nn.norms import build_norm
 from ..nn.positions import RelativePositionBias, RotaryEmbedding, alibi_slopes
+from ..nn.reversible import ReversibleBlock, reversible_stack
 from ..nn.tokens import Tokens
 from .backbone_config import (
     BLOCKS,
@@ -65,7 +67,8 @@ class Backbone(nn.Module):
     """Runs Tokens through ``blocks`` and the final ``norm``.
 
     Args:
-        blocks: the block modules (all of one family), each with an ``attn``.
+        blocks: the block modules (all of one family), each with an ``attn``; ``ReversibleBlock``s run
+            as one reversible stack (``mmformer.nn.reversible.reversible_stack``).
         norm: the final norm (``nn.Identity()`` for none).
         causal: every query sees only earlier keys (decoders), except inside bidirectional spans.
         positions: the relative position scheme (``PositionConfig``; None: none): ``none`` (absolute
@@ -90,6 +93,7 @@ class Backbone(nn.Module):
         super().__init__()
         positions, long_context = positions or PositionConfig(), long_context or LongContextConfig()
         self.blocks = nn.ModuleList(blocks)
+        self.reversible = isinstance(blocks[0], ReversibleBlock)  # the stack runs as one (nn.reversible)
         self.norm = norm
         attn = self.blocks[0].attn
         self.d_model, self.n_layers, self.n_heads = attn.proj.out_features, len(blocks), attn.n_heads
@@ -187,8 +191,11 @@ class Backbone(nn.Module):
         inputs = self.attention_inputs(tokens, context, cache, span)
         ctx = context.x if context is not None else None
         x = tokens.x
-        for i, block in enumerate(self.blocks):
-            x = block(x, inputs, context=ctx, cond=cond, cache=cache, layer=i)
+        if self.reversible:
+            x = reversible_stack(self.blocks, x, inputs, cache)
+        else:
+            for i, block in enumerate(self.blocks):
+                x = block(x, inputs, context=ctx, cond=cond, cache=cache, layer=i)
         if cache is not None:
             cache.extend(tokens.valid, tokens.document, tokens.positions)
             cache.span_open = span[:, -1] > 0 if span is not None else torch.zeros_like(tokens.valid[:, -1])
@@ -333,6 +340,10 @@ def build_backbone(
         # made first for every family, the conformer too (which makes its own feed-forwards and drops
         # this one): the random stream, and so every initial weight, stays as it has always been
         ffn = build_mlp(d_model, hidden, mlp.act, mlp.bias, mlp.drop)
+        if block.kind == "pre" and block.reversible:
+            return ReversibleBlock(
+                d_model, attend(), ffn, norm, norm_eps, dp, block.layer_scale, block.ff_chunks
+            )
         if block.kind == "pre":
             return Block(d_model, attend(), ffn, norm, norm_eps, dp, block.layer_scale)
         if block.kind == "post":

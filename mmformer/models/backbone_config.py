@@ -199,6 +199,12 @@ class BlockConfig:
         d_cond: ``adaln``: conditioning width (default ``d_model``).
         d_context: ``cross``: width of the context it attends to (default ``d_model``).
         conv_kernel: ``conformer``: depthwise convolution width, in tokens (odd).
+        reversible: ``pre`` only: Reformer's reversible layers (``mmformer.nn.reversible``), activation
+            memory flat in depth for about a third more compute per training step.
+        ff_chunks: ``reversible``: the feed-forward runs over this many pieces of the sequence.
+
+    Raises ``ValueError`` for ``reversible`` with another kind (post-norm, cross-attention, adaLN and
+    conformer blocks do not split into Reformer's two sub-layers), or ``ff_chunks > 1`` without it.
     """
 
     kind: str = "pre"
@@ -207,8 +213,17 @@ class BlockConfig:
     d_cond: int | None = None
     d_context: int | None = None
     conv_kernel: int = 31
+    reversible: bool = False
+    ff_chunks: int = 1
 
     def __post_init__(self) -> None:
         _choice("block", self.kind, BLOCKS)
-        _positive(self, "d_cond", "d_context", "conv_kernel")
+        _positive(self, "d_cond", "d_context", "conv_kernel", "ff_chunks")
         _probability(self, "drop_path")
+        if self.reversible and self.kind != "pre":
+            raise ValueError(
+                f"reversible layers need pre-norm blocks (kind 'pre'): a {self.kind!r} block does not split "
+                "into Reformer's two sub-layers Y1 = X1 + Attention(X2), Y2 = X2 + FeedForward(Y1)"
+            )
+        if self.ff_chunks > 1 and not self.reversible:
+            raise ValueError("ff_chunks chunks the feed-forward of reversible layers: set reversible=True")

@@ -1,0 +1,55 @@
+"""Choosing an attention kernel from a recipe: registered kernels (``mmformer.nn.kernels``) take their
+options by name, and a kernel that lacks a mask rule or the score bias the recipe needs is refused at
+load, naming the kernels that have it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmformer.nn import Attention, MaskSpec
+from mmformer.nn.kernels import KERNEL_CLASSES, supporting
+from mmformer.recipe import RecipeError, recipe_from_yaml
+from tests.multitask.test_joint_training import JOINT
+
+
+def _joint(**kw) -> str:
+    return JOINT.format(images="/nonexistent/images", corpus="/nonexistent/corpus.txt", **kw)
+
+
+def test_a_kernel_without_the_masks_the_recipe_needs_is_refused_at_load():
+    # the joint recipe's backbone is causal with images bidirectional: causal + spans
+    with pytest.raises(RecipeError) as e:
+        recipe_from_yaml(_joint(), ["model.backbone.attn_kernel=lsh"])
+    msg = str(e.value)
+    assert "'model.backbone.attn_kernel': lsh does not implement spans masks" in msg
+    assert msg.endswith("kernels that do: eager, sdpa, flex")
+    recipe_from_yaml(_joint(), ["model.backbone.attn_kernel=flex"])  # softmax kernels implement every rule
+
+
+def test_kernel_options_are_checked_by_name():
+    text = _joint().replace("causal: true, bidirectional: [image]", "causal: true")
+    ok = recipe_from_yaml(text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={n_buckets: 8}"])
+    assert dict(ok.model.backbone.kernel_options) == {"n_buckets": 8}
+    with pytest.raises(RecipeError, match="no option 'num_buckets'. Did you mean 'n_buckets'"):
+        recipe_from_yaml(text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={num_buckets: 8}"])
+    with pytest.raises(RecipeError, match="positions alibi"):
+        recipe_from_yaml(text, ["model.backbone.attn_kernel=lsh", "model.backbone.positions=alibi"])
+
+
+def test_every_registered_kernel_declares_what_it_implements():
+    assert {"lsh", "aft_full", "aft_local", "aft_simple"} <= set(KERNEL_CLASSES)
+    for name, cls in KERNEL_CLASSES.items():
+        assert cls.name == name and {"padding"} <= cls.masks, name
+    assert supporting(frozenset({"causal", "spans"})) == ["eager", "sdpa", "flex"]
+
+
+def test_a_kernels_parameters_survive_switching_kernels_and_back():
+    attn = Attention(16, 2, kernel="aft_full", kernel_options={"max_len": 8})
+    with torch.no_grad():
+        attn.kernel_module.pos_bias.normal_()
+    x = torch.randn(1, 5, 16)
+    before = attn(x, MaskSpec())
+    attn.kernel = "eager"  # e.g. FLOP counting
+    attn.kernel = "aft_full"
+    torch.testing.assert_close(attn(x, MaskSpec()), before, rtol=0, atol=0)
