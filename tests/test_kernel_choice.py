@@ -29,10 +29,14 @@ def test_a_kernel_without_the_masks_the_recipe_needs_is_refused_at_load():
 
 def test_kernel_options_are_checked_by_name():
     text = _joint().replace("causal: true, bidirectional: [image]", "causal: true")
-    ok = recipe_from_yaml(text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={n_buckets: 8}"])
+    ok = recipe_from_yaml(
+        text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={n_buckets: 8}"]
+    )
     assert dict(ok.model.backbone.kernel_options) == {"n_buckets": 8}
     with pytest.raises(RecipeError, match="no option 'num_buckets'. Did you mean 'n_buckets'"):
-        recipe_from_yaml(text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={num_buckets: 8}"])
+        recipe_from_yaml(
+            text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={num_buckets: 8}"]
+        )
     with pytest.raises(RecipeError, match="positions alibi"):
         recipe_from_yaml(text, ["model.backbone.attn_kernel=lsh", "model.backbone.positions=alibi"])
 

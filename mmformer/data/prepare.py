@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import did_you_mean
 from .emoji import EMOJI_FONT, EMOJI_INSTALL, EMOJI_TEST, build_emoji
+from .lra import build_kjv_books, build_kjv_pairs, build_listops, build_mnist5k_pixels, build_pathfinder
 from .roots import DataError, data_root
 from .speech import (
     ASTERISK_DIR,
@@ -325,6 +326,46 @@ BUNDLED: dict[str, Bundled] = {
         build_wordnet_supersenses,
         needs=(str(WORDNET_DIR / "data.noun"),),
         install="apt-get install wordnet-base",
+    ),
+    # Long Range Arena (docs/long_context.md): token sequences for data.kind: sequences
+    "listops": Bundled(
+        "listops",
+        "ListOps, LRA's generator: 5,000 / 500 / 500 expressions of 501-1,999 tokens → value 0-9",
+        build_listops,
+    ),
+    "listops-full": Bundled(
+        "listops-full",
+        "ListOps at LRA's size: 96,000 / 2,000 / 2,000 expressions (a few minutes)",
+        lambda out: build_listops(out, 96_000, 2_000, 2_000),
+    ),
+    "pathfinder": Bundled(
+        "pathfinder",
+        "Pathfinder 32×32 (1,024 pixels), are the markers joined: 2,000 / 500 / 500 images",
+        build_pathfinder,
+    ),
+    "pathfinder-full": Bundled(
+        "pathfinder-full",
+        "Pathfinder 32×32 at LRA's size: 160,000 / 20,000 / 20,000 images (~30 CPU-minutes, on every CPU)",
+        lambda out: build_pathfinder(out, 160_000, 20_000, 20_000),
+    ),
+    "kjv-books": Bundled(
+        "kjv-books",
+        "KJV passages of 2-4 kB as bytes → which of 10 books (LRA Text, offline) (apt bible-kjv)",
+        build_kjv_books,
+        needs=("bible",),
+        install="apt-get install bible-kjv",
+    ),
+    "kjv-pairs": Bundled(
+        "kjv-pairs",
+        "two KJV passages of 1-2 kB as bytes → same book? (LRA Retrieval, offline) (apt bible-kjv)",
+        build_kjv_pairs,
+        needs=("bible",),
+        install="apt-get install bible-kjv",
+    ),
+    "mnist5k-pixels": Bundled(
+        "mnist5k-pixels",
+        "the mnist5k digits as sequences of 784 grey levels (LRA Image, offline)",
+        build_mnist5k_pixels,
     ),
 }
 

@@ -1,0 +1,156 @@
+"""Long Range Arena comparison (Tay et al. 2021, Tables 1 and 2) over mmformer's attention kernels, with
+the recipes of ``recipes/long_context/`` and one small model for every kernel.
+
+    python bench/lra.py accuracy --tasks listops,pathfinder --steps 300      # Table 1 at a stated budget
+    python bench/lra.py speed --lengths 1024,2048,4096 --steps 4              # Table 2: steps/s, memory
+
+``accuracy`` trains each (task, kernel) with ``trainer.max_steps=STEPS`` (validated at the end) and
+prints the final validation accuracy. ``speed`` trains the byte-level text recipe at each length (every
+passage cut to it) for a few steps and reports training steps per second (after the first step) and the
+process's peak resident memory, relative to softmax attention (sdpa). Every run is its own process
+(``mmformer train`` with ``logger.mode=disabled``) so peak memory is that run's alone. The data must be
+prepared first (each recipe's header says how). Numbers go to ``bench/README.md``; nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {
+    "listops": "recipes/long_context/lra_listops.yaml",
+    "text": "recipes/long_context/lra_text_kjv.yaml",
+    "retrieval": "recipes/long_context/lra_retrieval_kjv.yaml",
+    "image": "recipes/long_context/lra_image_mnist5k.yaml",
+    "pathfinder": "recipes/long_context/lra_pathfinder.yaml",
+}
+# kernel → the overrides that choose it (options sized for these recipes' lengths)
+KERNELS = {
+    "sdpa": [],
+    "window": ["model.backbone.window=128"],
+    "bigbird": ["model.backbone.bigbird_block=64"],
+    "performer": ["model.backbone.attn_kernel=performer", "model.backbone.performer_features=128"],
+    "rfa": ["model.backbone.attn_kernel=rfa", "model.backbone.kernel_options={n_features: 128}"],
+    "lsh": [
+        "model.backbone.attn_kernel=lsh",
+        "model.backbone.kernel_options={n_buckets: 32, chunk_size: 64}",
+    ],
+    "lsh+reversible": [
+        "model.backbone.attn_kernel=lsh",
+        "model.backbone.kernel_options={n_buckets: 32, chunk_size: 64}",
+        "model.backbone.reversible=true",
+    ],
+    "aft_local": [
+        "model.backbone.attn_kernel=aft_local",
+        "model.backbone.kernel_options={max_len: 4096, window: 64}",
+    ],
+    "aft_simple": ["model.backbone.attn_kernel=aft_simple"],
+}
+RUN = (
+    "import resource, sys\n"
+    "from mmformer.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "print('peak_rss_mb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n"
+    "sys.exit(rc)\n"
+)
+
+
+def train(recipe: str, overrides: list[str], runs: Path) -> dict:
+    """One ``mmformer train`` in its own process: final validation metrics, peak RSS (MB), the run's
+    ``metrics.csv`` rows and wall seconds."""
+    env = dict(os.environ, MMFORMER_RUNS=str(runs))
+    args = [
+        sys.executable,
+        "-c",
+        RUN,
+        "train",
+        recipe,
+        "logger.mode=disabled",
+        "trainer.enable_progress_bar=false",
+    ]
+    start = time.perf_counter()
+    done = subprocess.run([*args, *overrides], cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1], "seconds": seconds}
+    out = dict(
+        line.split()[:2] for line in done.stdout.splitlines() if line.startswith(("val/", "peak_rss_mb"))
+    )
+    rows = []
+    for path in runs.glob("*/*/metrics.csv"):
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    return {"metrics": out, "rows": rows, "seconds": seconds}
+
+
+def accuracy(tasks: list[str], kernels: list[str], steps: int) -> None:
+    print(f"| task | {' | '.join(kernels)} |\n|---|{'---|' * len(kernels)}")
+    for task in tasks:
+        cells = []
+        for kernel in kernels:
+            with tempfile.TemporaryDirectory() as runs:
+                budget = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
+                r = train(RECIPES[task], [*KERNELS[kernel], *budget], Path(runs))
+            acc = next((v for k, v in r.get("metrics", {}).items() if k.endswith("/acc")), None)
+            cells.append(f"{float(acc):.3f}" if acc else f"error: {r.get('error', '?')[:60]}")
+            print(f"  {task} {kernel}: {cells[-1]} ({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
+        print(f"| {task} | {' | '.join(cells)} |", flush=True)
+
+
+def speed(lengths: list[int], kernels: list[str], steps: int) -> None:
+    print("| kernel | " + " | ".join(f"{n} steps/s | {n} peak MB" for n in lengths) + " |")
+    print("|---|" + "---|---|" * len(lengths))
+    base: dict[int, tuple[float, float]] = {}
+    for kernel in kernels:
+        cells = []
+        for n in lengths:
+            with tempfile.TemporaryDirectory() as runs:
+                budget = [
+                    f"trainer.max_steps={steps}",
+                    "trainer.limit_val_batches=0",
+                    "trainer.log_every_n_steps=1",
+                    f"tasks.text.data.max_len={n}",
+                    "tasks.text.data.bucket_by_length=false",
+                ]
+                r = train(RECIPES["text"], [*KERNELS[kernel], *budget], Path(runs))
+            if "error" in r:
+                cells += [f"error: {r['error'][:50]}", ""]
+                continue
+            rate = [
+                float(x["throughput/samples_per_sec"])
+                for x in r["rows"]
+                if x.get("throughput/samples_per_sec")
+            ]
+            batch = 4
+            sps = rate[-1] / batch if rate else float("nan")
+            mem = float(r["metrics"].get("peak_rss_mb", "nan"))
+            base.setdefault(n, (sps, mem))
+            cells += [f"{sps:.2f} ({sps / base[n][0]:.2f}×)", f"{mem:.0f} ({mem / base[n][1]:.2f}×)"]
+            print(f"  {kernel} {n}: {cells[-2]} {cells[-1]}", file=sys.stderr, flush=True)
+        print(f"| {kernel} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["accuracy", "speed"])
+    p.add_argument("--tasks", default=",".join(RECIPES))
+    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--steps", type=int, default=None, help="accuracy: training steps; speed: steps per run")
+    p.add_argument("--lengths", default="1024,2048,4096")
+    a = p.parse_args()
+    kernels = a.kernels.split(",")
+    if a.mode == "accuracy":
+        accuracy(a.tasks.split(","), kernels, a.steps or 300)
+    else:
+        speed([int(n) for n in a.lengths.split(",")], kernels, a.steps or 4)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Tokenizer kind ``ids``: sequences that already are integer ids — bytes, pixel grey levels, ListOps
+symbols (the Long Range Arena tasks, docs/long_context.md) — embedded as they are: a learned embedding of
+``vocab_size`` ids plus learned absolute positions up to ``max_len`` (``mmformer.tokenizers.TextEmbedding``,
+GPT-2's ``wte`` + ``wpe``). Its modality is ``ids``: a task reads the batch's ``ids`` / ``ids_valid``
+(``data.kind: sequences``, ``mmformer.data.sequences``); there is no text tokenizer to train or store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from omegaconf import MISSING
+
+from ..errors import RecipeError, positive
+from ..registry import register
+from ..tokenizers.text import TextEmbedding
+from .context import BuildContext
+
+
+@dataclass
+class TokenIdsConfig:
+    """``model.tokenizers.<name>`` of kind ``ids``: ids in ``[0, vocab_size)`` → embeddings, with learned
+    absolute positions up to ``max_len`` (None: none, for a backbone with ``positions: rope`` etc.)."""
+
+    modality: ClassVar[str] = "ids"
+    class_token: ClassVar[bool] = False  # heads pool with ``pool: mean``
+    kind: str = "ids"
+    vocab_size: int = MISSING  # bytes and pixels: 256; see the dataset's meta.json
+    max_len: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        positive(self, "vocab_size", "max_len")
+
+    def check(self, recipe, where: str) -> None:
+        name = where.rsplit(".", 1)[-1]
+        for task_name, task in recipe.tasks.items():
+            if task.tokenizer == name and task.data.kind != "sequences":
+                raise RecipeError(
+                    f"'tasks.{task_name}.data': an ids tokenizer reads token sequences (data.kind: sequences), "
+                    f"not {task.data.kind!r} data"
+                )
+
+
+@register("tokenizer", "ids", TokenIdsConfig)
+def build_token_ids(cfg: TokenIdsConfig, d_model: int, ctx: BuildContext, name: str) -> TextEmbedding:
+    return TextEmbedding(cfg.vocab_size, d_model, cfg.max_len)
