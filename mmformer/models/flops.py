@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..nn.attention import Attention
+from ..nn.reversible import stored_activations
 from .backbone import Backbone
 from .model import MultimodalModel
 
@@ -117,7 +118,9 @@ def count_flops(model: MultimodalModel, inputs: Tensor, tokenizer: str, head: st
         with FlopCounterMode(display=False) as fwd:
             with torch.no_grad():
                 model(inputs, tokenizer, head)
-        with FlopCounterMode(display=False) as train:
+        # reversible layers counted as the function they compute (their recomputation is not counted,
+        # as MFU's definition asks); FlopCounterMode cannot follow their own backward
+        with FlopCounterMode(display=False) as train, stored_activations():
             model(inputs, tokenizer, head).float().sum().backward()
         model.zero_grad(set_to_none=True)
     finally:

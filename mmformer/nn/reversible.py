@@ -217,6 +217,21 @@ class ReversibleFunction(torch.autograd.Function):
         return (dy1, dy2, None, None, None, *grads)
 
 
+_STORED = [False]
+
+
+@contextmanager
+def stored_activations():
+    """Within this block reversible stacks run as plain autograd (every layer's activations kept): the
+    same function and gradients, for tools that hook autograd and cannot follow a backward that calls
+    ``torch.autograd.grad`` itself (``torch.utils.flop_counter.FlopCounterMode``)."""
+    before, _STORED[0] = _STORED[0], True
+    try:
+        yield
+    finally:
+        _STORED[0] = before
+
+
 def reversible_stack(
     blocks: list[ReversibleBlock] | nn.ModuleList,
     x: Tensor,
@@ -233,7 +248,7 @@ def reversible_stack(
     attention again and append to the cache twice).
     """
     x1 = x2 = x
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or (_STORED[0] and cache is None):
         for i, block in enumerate(blocks):
             x1, x2 = block(x1, x2, inputs, cache=cache, layer=i)
         return (x1 + x2) / 2

@@ -252,3 +252,21 @@ def test_ff_chunks_needs_reversible_and_a_positive_count():
         BlockConfig(reversible=True, ff_chunks=0)
     with pytest.raises(ValueError, match="reversible layers need pre-norm blocks"):
         build_transformer(BackboneConfig(preset="debug", block="post", reversible=True), None)
+
+
+def test_flops_of_a_reversible_model_are_counted_as_the_function_it_computes():
+    # FlopCounterMode cannot follow the reversible backward (it calls autograd.grad itself): counting
+    # runs the same function with stored activations, so the train step is forward + backward (≈ 3×)
+    from mmformer.models import MultimodalModel
+    from mmformer.models.flops import count_flops
+    from mmformer.models.heads import LMHead
+    from mmformer.tokenizers.text import TextEmbedding
+
+    def model(reversible: bool) -> MultimodalModel:
+        bb = build_backbone(32, 2, AttentionConfig(4), block=BlockConfig(reversible=reversible))
+        return MultimodalModel({"text": TextEmbedding(50, 32)}, bb, {"lm": LMHead(32, 50)})
+
+    ids = torch.randint(0, 50, (2, 16))
+    rev, plain = count_flops(model(True), ids, "text", "lm"), count_flops(model(False), ids, "text", "lm")
+    assert rev["forward"] == plain["forward"] > 0  # the same layers and matmuls (FlopCounterMode counts those)
+    assert 2.5 * rev["forward"] < rev["train"] < 3.5 * rev["forward"]
