@@ -7,7 +7,8 @@ the recipes of ``recipes/long_context/`` and one small model for every kernel.
 ``accuracy`` trains each (task, kernel) with ``trainer.max_steps=STEPS`` (validated at the end) and
 prints the final validation accuracy. ``speed`` trains the byte-level text recipe at each length (every
 passage cut to it) for a few steps and reports training steps per second (after the first step) and the
-process's peak resident memory, relative to softmax attention (sdpa). Every run is its own process
+peak resident memory of the training steps above the memory at the start of training (the high-water
+mark reset there: Linux ``/proc/self/clear_refs``), relative to softmax attention (sdpa). Every run is its own process
 (``mmformer train`` with ``logger.mode=disabled``) so peak memory is that run's alone. The data must be
 prepared first (each recipe's header says how). Numbers go to ``bench/README.md``; nothing here is a test.
 """
@@ -53,19 +54,44 @@ KERNELS = {
     ],
     "aft_simple": ["model.backbone.attn_kernel=aft_simple"],
 }
-RUN = (
-    "import resource, sys\n"
-    "from mmformer.cli import main\n"
-    "rc = main(sys.argv[1:])\n"
-    "print('peak_rss_mb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n"
-    "sys.exit(rc)\n"
+RUN = """
+import resource, sys
+from pathlib import Path
+import lightning as L
+import mmformer.commands.train as command
+from mmformer.cli import main
+
+
+def vm(key):  # kB from /proc/self/status
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(key))
+    return int(line.split()[1])
+
+
+class TrainingPeak(L.Callback):
+    # the peak resident memory of the training steps alone: the high-water mark is reset when training
+    # starts (Linux: writing 5 to /proc/self/clear_refs), after the model summary's FLOP count (an eager
+    # forward+backward at full length) and the data loading
+    def on_train_start(self, trainer, pl_module):
+        Path("/proc/self/clear_refs").write_text("5")
+        self.base = vm("VmRSS:")
+
+    def on_train_end(self, trainer, pl_module):
+        print("train_peak_mb", (vm("VmHWM:") - self.base) / 1024)
+
+
+plain = command.train
+command.train = lambda recipe, extra_callbacks=(), verbose=False: plain(
+    recipe, [*extra_callbacks, TrainingPeak()], verbose
 )
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def train(recipe: str, overrides: list[str], runs: Path) -> dict:
     """One ``mmformer train`` in its own process: final validation metrics, peak RSS (MB), the run's
     ``metrics.csv`` rows and wall seconds."""
-    env = dict(os.environ, MMFORMER_RUNS=str(runs))
+    # glibc hands freed tensors back to the system, so resident memory follows the live tensors
+    env = dict(os.environ, MMFORMER_RUNS=str(runs), MALLOC_MMAP_THRESHOLD_="131072")
     args = [
         sys.executable,
         "-c",
@@ -81,7 +107,7 @@ def train(recipe: str, overrides: list[str], runs: Path) -> dict:
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["?"])[-1], "seconds": seconds}
     out = dict(
-        line.split()[:2] for line in done.stdout.splitlines() if line.startswith(("val/", "peak_rss_mb"))
+        line.split()[:2] for line in done.stdout.splitlines() if line.startswith(("val/", "train_peak_mb"))
     )
     rows = []
     for path in runs.glob("*/*/metrics.csv"):
@@ -105,7 +131,7 @@ def accuracy(tasks: list[str], kernels: list[str], steps: int) -> None:
 
 
 def speed(lengths: list[int], kernels: list[str], steps: int) -> None:
-    print("| kernel | " + " | ".join(f"{n} steps/s | {n} peak MB" for n in lengths) + " |")
+    print("| kernel | " + " | ".join(f"{n} steps/s | {n} training MB" for n in lengths) + " |")
     print("|---|" + "---|---|" * len(lengths))
     base: dict[int, tuple[float, float]] = {}
     for kernel in kernels:
@@ -130,7 +156,7 @@ def speed(lengths: list[int], kernels: list[str], steps: int) -> None:
             ]
             batch = 4
             sps = rate[-1] / batch if rate else float("nan")
-            mem = float(r["metrics"].get("peak_rss_mb", "nan"))
+            mem = float(r["metrics"].get("train_peak_mb", "nan"))
             base.setdefault(n, (sps, mem))
             cells += [f"{sps:.2f} ({sps / base[n][0]:.2f}×)", f"{mem:.0f} ({mem / base[n][1]:.2f}×)"]
             print(f"  {kernel} {n}: {cells[-2]} {cells[-1]}", file=sys.stderr, flush=True)
