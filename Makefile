@@ -31,6 +31,7 @@ $(STAMP): pyproject.toml
 
 train: install
 	$(BIN)/mmformer train $(RECIPE) $(ARGS)
+	@echo "next: source $(VENV)/bin/activate  (then: mmformer info $(RECIPE), mmformer validate CKPT, …)"
 
 test: install
 	$(BIN)/python -m pytest tests -m "not slow"
