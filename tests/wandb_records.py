@@ -5,11 +5,10 @@ type: 1 full, 2 first, 3 middle, 4 last)."""
 from __future__ import annotations
 
 import json
-import struct
 import time
 from pathlib import Path
 
-BLOCK, HEADER = 32 * 1024, 7
+from mmformer.training.history import wandb_records
 
 
 def read_records(path: Path, settle: float = 30.0) -> list:
@@ -22,37 +21,15 @@ def read_records(path: Path, settle: float = 30.0) -> list:
         now, new = time.monotonic(), Path(path).read_bytes()
         if new != data:
             data, since = new, now
-        try:
-            records = _parse(data)
-        except Exception:  # a record cut off mid-write
-            records = None
+        records = _parse(data)  # whole records only: one cut off mid-write is left for the next read
         ended = bool(records) and records[-1].WhichOneof("record_type") == "exit"
-        if ended or (records is not None and now - since >= 2.0) or now > deadline:
-            return records if records is not None else _parse(data)
+        if ended or now - since >= 2.0 or now > deadline:
+            return records
         time.sleep(0.2)
 
 
 def _parse(data: bytes) -> list:
-    from wandb.proto import wandb_internal_pb2
-
-    pos, pending, records = HEADER, b"", []
-    while pos + HEADER <= len(data):
-        left = BLOCK - pos % BLOCK
-        if left < HEADER:  # block trailer padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        payload = data[pos + HEADER : pos + HEADER + length]
-        pos += HEADER + length
-        pending = payload if kind in (1, 2) else pending + payload
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
+    return [record for _, record in wandb_records(data)]  # the reader mmformer cuts resumed segments with
 
 
 def history_and_config(path: Path) -> tuple[list[dict], dict]:

@@ -22,7 +22,7 @@ from ..models.backbone_config import (
 )
 from ..models.presets import preset
 from ..nn.attention import KERNELS, SDPA_BACKENDS
-from ..nn.kernels import check_options, kernel_rules, supporting
+from ..nn.kernels import check_options, kernel_rules, supporting, takes_score_bias
 from ..nn.mlp import ACTIVATIONS
 from ..nn.norms import NORMS
 from ..nn.tokens import MODALITY_IDS
@@ -142,7 +142,7 @@ class BackboneConfig:
         """Refuses an ``attn_kernel`` that does not implement a mask rule the recipe needs, naming the
         kernels that do."""
         needs = self.mask_rules(recipe, where)
-        if self.attn_kernel not in ("auto", "eager", "sdpa", "flex") and self.positions in (
+        if not takes_score_bias(self.attn_kernel) and self.positions in (
             "alibi",
             "t5",
             "toeplitz",

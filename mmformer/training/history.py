@@ -20,6 +20,7 @@ import csv
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import lightning as L
@@ -100,8 +101,6 @@ def flush(logger) -> None:
     if isinstance(logger, CSVLogger):
         logger.save()
     elif isinstance(logger, WandbLogger) and logger._experiment is not None:
-        import time
-
         run = logger._experiment
         interface = getattr(run, "_interface", None)
         if interface is None:  # a disabled or finished run

@@ -268,5 +268,7 @@ def test_flops_of_a_reversible_model_are_counted_as_the_function_it_computes():
 
     ids = torch.randint(0, 50, (2, 16))
     rev, plain = count_flops(model(True), ids, "text", "lm"), count_flops(model(False), ids, "text", "lm")
-    assert rev["forward"] == plain["forward"] > 0  # the same layers and matmuls (FlopCounterMode counts those)
+    assert (
+        rev["forward"] == plain["forward"] > 0
+    )  # the same layers and matmuls (FlopCounterMode counts those)
     assert 2.5 * rev["forward"] < rev["train"] < 3.5 * rev["forward"]

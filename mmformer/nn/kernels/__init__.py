@@ -79,24 +79,31 @@ def register_kernel(cls: type[AttentionKernel]) -> type[AttentionKernel]:
     return cls
 
 
-SOFTMAX_RULES = frozenset(MASK_RULES)  # eager / sdpa / flex implement every rule
+SOFTMAX_KERNELS = ("eager", "sdpa", "flex")  # in nn.attention: every mask rule, and score biases
+SOFTMAX_RULES = frozenset(MASK_RULES)
 PERFORMER_RULES = frozenset({"padding", "causal"})
 
 
 def supporting(rules: frozenset[str]) -> list[str]:
     """Every kernel name that implements all of ``rules``."""
-    names = [k for k in ("eager", "sdpa", "flex") if rules <= SOFTMAX_RULES]
+    names = [k for k in SOFTMAX_KERNELS if rules <= SOFTMAX_RULES]
     names += ["performer"] if rules <= PERFORMER_RULES else []
     return names + [n for n, cls in KERNEL_CLASSES.items() if rules <= cls.masks]
 
 
 def kernel_rules(name: str) -> frozenset[str]:
     """The mask rules kernel ``name`` implements."""
-    if name in ("auto", "eager", "sdpa", "flex"):
+    if takes_score_bias(name):
         return SOFTMAX_RULES
     if name == "performer":
         return PERFORMER_RULES
     return KERNEL_CLASSES[name].masks
+
+
+def takes_score_bias(name: str) -> bool:
+    """Whether kernel ``name`` adds a score bias (ALiBi, T5 / Toeplitz relative positions): the softmax
+    kernels (and ``auto``, which picks one) do; the Performer and the registered kernels do not."""
+    return name == "auto" or name in SOFTMAX_KERNELS
 
 
 def check_options(name: str, options: dict) -> None:
