@@ -85,6 +85,15 @@ logger: {{mode: disabled}}
 """
 
 
+@pytest.fixture(autouse=True)
+def _own_wandb_service():
+    """A W&B run in the test process leaves its service's address in ``WANDB_SERVICE``, and a training
+    process a later test starts would join that service instead of starting its own — where the id of a
+    run killed with SIGKILL stays taken, so its resume fails ("run ID … is in use"). Each process the
+    tests start runs its own service, as a user's does; this process's open connection is unaffected."""
+    os.environ.pop("WANDB_SERVICE", None)
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch) -> Path:
     """Runs and data roots inside the test's temporary folder."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import lightning as L
 import pytest
@@ -13,6 +14,7 @@ import torch
 from mmformer.cli import main
 from mmformer.commands.train import train
 from mmformer.recipe import load_recipe, recipe_from_yaml
+from mmformer.training.runs import RESUME_ENV, RUN_ID_ENV, open_run
 from tests.wandb_records import history_and_config
 
 
@@ -174,3 +176,22 @@ def test_backbone_variants_train_from_the_recipe(tiny_recipe, capsys):
     assert "val/toy/acc" in capsys.readouterr().out
     assert main(["train", str(tiny_recipe), "model.backbone.positions=rop"]) == 2
     assert "Did you mean 'rope'?" in capsys.readouterr().err
+
+
+class SeeRunExport(L.Callback):
+    """What a rank process Lightning launched at this point would inherit."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen = os.environ.get(RUN_ID_ENV)
+
+
+def test_the_run_is_exported_to_its_ranks_only_while_it_trains(tiny_recipe, workdir):
+    """A later run of this process, or a process it starts after, must not take this run's folder."""
+    recipe = load_recipe(tiny_recipe, ["trainer.max_steps=1"])
+    assert open_run(recipe.name, None) and RUN_ID_ENV not in os.environ  # picking a run exports nothing
+    seen = SeeRunExport()
+    _, run = train(recipe, extra_callbacks=[seen])
+    assert seen.seen == run.run_id
+    assert RUN_ID_ENV not in os.environ and RESUME_ENV not in os.environ
+    _, again = train(recipe)
+    assert again.dir != run.dir

@@ -13,7 +13,7 @@ from ..recipe import load_recipe, recipe_to_yaml
 from ..training.callbacks import LastValidationStep
 from ..training.loggers import check_wandb_login, finish_loggers
 from ..training.preemption import Preempted
-from ..training.runs import RESUME_ENV, RUN_ID_ENV, describe_resume, open_run
+from ..training.runs import describe_resume, exported, open_run
 from ..training.sharded import read_meta
 from .info import describe_model
 
@@ -63,6 +63,12 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
 
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     run = open_run(recipe.name, recipe.resume)
+    with exported(run):
+        trainer = _fit(recipe, run, extra_callbacks, verbose)
+    return trainer, run
+
+
+def _fit(recipe, run, extra_callbacks, verbose: bool):
     trainer = None
     resumed = None if run.resume_from is None else read_meta(run.resume_from)  # recipe, tokenizers, step
     ctx = BuildContext.from_checkpoint(recipe, resumed)  # a resumed run reads data with its own tokenizers
@@ -88,9 +94,7 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     finally:
         if trainer is not None:
             finish_loggers(trainer.loggers)
-        os.environ.pop(RUN_ID_ENV, None)
-        os.environ.pop(RESUME_ENV, None)
-    return trainer, run
+    return trainer
 
 
 def _val_metrics(trainer) -> str:

@@ -2,18 +2,21 @@
 ``metrics.csv`` and ``wandb/`` (DESIGN.md, Runs). The runs root is ``$MMFORMER_RUNS`` (default ``runs``).
 
 Every process of a multi-process run must agree on the run folder. The first process picks the run id
-and exports it (``MMFORMER_RUN_ID``, ``MMFORMER_RESUME_PATH``) before Lightning launches the others,
-which inherit the environment; torchrun and SLURM launches derive it from their job ids.
+and exports it (``MMFORMER_RUN_ID``, ``MMFORMER_RESUME_PATH``; :func:`exported`, for the length of the
+run only) before Lightning launches the others, which inherit the environment; torchrun and SLURM
+launches derive it from their job ids.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import os
 import secrets
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,12 +137,27 @@ def open_run(name: str, resume: str | None) -> Run:
         check_writable(run_dir)
         if resume == "auto" and resume_from is None:
             log.warning(f"resume=auto: {_nothing_to_resume(name)}; starting a new run in {run_dir}")
-        os.environ[RUN_ID_ENV] = run_id
-        if resume_from is not None:
-            os.environ[RESUME_ENV] = str(resume_from.resolve())
     info = read_run_json(run_dir)
     wandb_id = info.get("wandb_id") or _wandb_id(run_id)
     return Run(name=name, run_id=run_id, dir=run_dir, resume_from=resume_from, wandb_id=wandb_id)
+
+
+@contextlib.contextmanager
+def exported(run: Run) -> Iterator[None]:
+    """Export ``run`` (``MMFORMER_RUN_ID``, ``MMFORMER_RESUME_PATH``) to the rank processes Lightning
+    launches inside this block, and take it back after: a later run of this process, or a process it
+    starts afterwards, must not take the finished run's folder for its own."""
+    saved = {v: os.environ.get(v) for v in (RUN_ID_ENV, RESUME_ENV)}
+    os.environ[RUN_ID_ENV] = run.run_id
+    if run.resume_from is not None:
+        os.environ[RESUME_ENV] = str(run.resume_from.resolve())
+    else:
+        os.environ.pop(RESUME_ENV, None)
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            os.environ.pop(var, None) if value is None else os.environ.update({var: value})
 
 
 def _nothing_to_resume(name: str) -> str:

@@ -28,7 +28,7 @@ from mmformer.evaluation import load_checkpoint as load_task_checkpoint
 from mmformer.recipe import load_recipe, recipe_to_yaml
 from mmformer.training import checkpoint_io
 from mmformer.training.checkpoint_io import AtomicCheckpointIO, CheckpointError, read_checkpoint_file
-from mmformer.training.runs import RESUME_ENV, RUN_ID_ENV, open_run
+from mmformer.training.runs import open_run
 from mmformer.training.sharded import read_checkpoint, read_meta
 
 RAN: list[str] = []  # what a pickled payload would have run
@@ -43,14 +43,6 @@ class Payload:
 
     def __reduce__(self):
         return (_payload, ())
-
-
-@pytest.fixture
-def run_env(monkeypatch):
-    """``open_run`` exports the run it picked: put the environment back after the test."""
-    for var in (RUN_ID_ENV, RESUME_ENV):
-        monkeypatch.setenv(var, "")
-        monkeypatch.delenv(var)
 
 
 @pytest.fixture
@@ -206,7 +198,7 @@ def test_mmformer_train_on_a_full_disk_exits_with_one_line(tiny_recipe, workdir,
         _unmount(runs)
 
 
-def test_a_read_only_runs_folder_is_named(workdir, run_env):
+def test_a_read_only_runs_folder_is_named(workdir):
     root = workdir / "runs"
     root.mkdir()
     root.chmod(0o555)
@@ -221,7 +213,7 @@ def test_a_read_only_runs_folder_is_named(workdir, run_env):
         root.chmod(0o755)
 
 
-def test_a_runs_folder_on_a_read_only_file_system_is_named(workdir, monkeypatch, run_env):
+def test_a_runs_folder_on_a_read_only_file_system_is_named(workdir, monkeypatch):
     root = _mount_tmpfs(workdir / "ro", "ro,size=64k")
     try:
         monkeypatch.setenv("MMFORMER_RUNS", str(root / "runs"))
@@ -278,7 +270,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("kind", BAD)
-def test_a_bad_checkpoint_is_named_by_every_loader(workdir, kind, run_env):
+def test_a_bad_checkpoint_is_named_by_every_loader(workdir, kind):
     make, what = BAD[kind]
     path = make(workdir / f"{kind}.ckpt")
     loaders = {
@@ -309,7 +301,7 @@ def test_a_bad_checkpoint_is_named_by_every_loader(workdir, kind, run_env):
     ],
     ids=lambda c: c if isinstance(c, str) else c[0],
 )
-def test_every_command_says_it_in_one_line(tiny_recipe, workdir, capsys, kind, command, run_env):
+def test_every_command_says_it_in_one_line(tiny_recipe, workdir, capsys, kind, command):
     make, what = BAD[kind]
     path = make(workdir / f"{kind}.ckpt")
     argv = [a.format(ckpt=path, out=workdir / "out", recipe=tiny_recipe) for a in command]
@@ -319,7 +311,7 @@ def test_every_command_says_it_in_one_line(tiny_recipe, workdir, capsys, kind, c
     assert RAN == []
 
 
-def test_a_foreign_weights_only_file_is_not_an_mmformer_checkpoint(workdir, run_env):
+def test_a_foreign_weights_only_file_is_not_an_mmformer_checkpoint(workdir):
     path = workdir / "resnet.pth"
     torch.save({"conv1.weight": torch.zeros(2, 3)}, path)
     with pytest.raises(RecipeError, match=rf"^{path} is not an mmformer training checkpoint \(no recipe "):
@@ -335,7 +327,7 @@ def _run_folder(workdir, run_id="20260101-000000-abcd") -> Path:
     return workdir / "runs" / "tiny" / run_id / "checkpoints"
 
 
-def test_resume_auto_falls_back_past_a_damaged_last_checkpoint(workdir, mmformer_log, run_env):
+def test_resume_auto_falls_back_past_a_damaged_last_checkpoint(workdir, mmformer_log):
     ck = _run_folder(workdir)
     _save(ck / "best-epoch000-step000004.ckpt", 4)
     _save(ck / "last.ckpt", 6)
@@ -349,9 +341,7 @@ def test_resume_auto_falls_back_past_a_damaged_last_checkpoint(workdir, mmformer
     )
 
 
-def test_resume_auto_over_an_empty_last_checkpoint_takes_the_newest_intact_one(
-    workdir, mmformer_log, run_env
-):
+def test_resume_auto_over_an_empty_last_checkpoint_takes_the_newest_intact_one(workdir, mmformer_log):
     ck = _run_folder(workdir)
     _save(ck / "best-epoch000-step000004.ckpt", 4)
     _save(ck / "best-epoch001-step000008.ckpt", 8)
@@ -363,7 +353,7 @@ def test_resume_auto_over_an_empty_last_checkpoint_takes_the_newest_intact_one(
     )
 
 
-def test_resume_auto_stops_and_lists_the_checkpoints_when_none_is_intact(workdir, run_env):
+def test_resume_auto_stops_and_lists_the_checkpoints_when_none_is_intact(workdir):
     ck = _run_folder(workdir)
     _truncated(ck / "best-epoch000-step000004.ckpt")
     (ck / "last.ckpt").write_bytes(b"")
@@ -377,7 +367,7 @@ def test_resume_auto_stops_and_lists_the_checkpoints_when_none_is_intact(workdir
     )
 
 
-def test_resume_auto_without_a_checkpoint_says_it_starts_a_new_run(workdir, mmformer_log, run_env):
+def test_resume_auto_without_a_checkpoint_says_it_starts_a_new_run(workdir, mmformer_log):
     ck = _run_folder(workdir)
     ck.mkdir(parents=True)
     (ck / ".last.ckpt.4242.tmp").write_bytes(b"")  # a save killed before it wrote anything

@@ -148,10 +148,13 @@ def test_ctrl_c_saves_and_says_how_to_continue_and_a_second_one_stops_at_once(ti
     assert m, out[-2000:]
     assert torch.load(m.group(2), map_location="cpu", weights_only=True)["global_step"] == int(m.group(1))
 
-    # the second Ctrl-C does not wait for the safe point (KeyboardInterrupt), and the run is not "done"
+    # the second Ctrl-C does not wait for the safe point (KeyboardInterrupt), and the run is not "done".
+    # It lands before the safe point (Lightning reports it) or, on a loaded machine, after the save while
+    # the stop shuts down (Python's own handler is back): either way the run ends there, unreported.
     proc, out, err = start_and_interrupt(2, "twice")
     assert proc.returncode not in (0, 130), err[-3000:]
-    assert "stopped by SIGINT" not in out and "Detected KeyboardInterrupt" in err
+    assert "stopped by SIGINT" not in out
+    assert "Detected KeyboardInterrupt" in err or err.rstrip().endswith("KeyboardInterrupt"), err[-3000:]
 
 
 class SigtermDuringValidation(L.Callback):
