@@ -4,6 +4,7 @@ dispatch. Each command lives with the workflow it runs, in ``mmformer.commands.<
 mmformer train RECIPE.yaml [key=value ...]     e.g. optim.lr=3e-4 trainer.devices=2 resume=auto
 mmformer validate CHECKPOINT.ckpt [key=value ...]
 mmformer info RECIPE.yaml [key=value ...]
+mmformer tune lr|batch-size RECIPE.yaml [key=value ...]   Lightning's LR / batch-size finder
 mmformer data prepare NAME [--force] | mmformer data list | mmformer data shard SRC --out DIR
 """
 
@@ -46,8 +47,27 @@ def _probability(text: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmformer", description="Multimodal transformer training platform.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a recipe")
-    t.add_argument("recipe", type=Path)
+    t = sub.add_parser(
+        "train",
+        help="train a recipe",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a recipe: defaults <- RECIPE <- key=value overrides, checked before any data is "
+        "read.\nPrints what differs from the defaults, the model's size and FLOPs, then trains with a "
+        "progress bar;\nwrites runs/<name>/<run id>/ (recipe.yaml: the whole recipe; run.json; "
+        "checkpoints/; metrics.csv)\nand ends with the final validation metrics and the run folder.",
+        epilog="""examples:
+  mmformer train recipes/image/vit_tiny_classify_mnist5k.yaml
+  mmformer train recipes/text/gpt_mini_lm_kjv.yaml optim.lr=3e-4 trainer.max_epochs=5
+  mmformer train recipes/text/gpt_mini_lm_kjv.yaml resume=auto        # continue its last run
+  mmformer train RECIPE.yaml trainer.accelerator=cpu trainer.devices=2 trainer.strategy=ddp
+  mmformer train RECIPE.yaml logger.mode=offline trainer.max_steps=200
+  mmformer info RECIPE.yaml [key=value ...]                            # the whole resolved recipe
+
+environment: MMFORMER_RUNS (runs folder, default runs/), MMFORMER_DATA (data root, default data/),
+  MMFORMER_PROGRESS=0 (no progress bars) or 1 (bars into a log file too; by default the bars of data
+  preparation, sharding, weight import and sampling show on a terminal only)""",
+    )
+    t.add_argument("recipe", type=Path, help="a recipe YAML file (recipes/<area>/*.yaml)")
     t.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. optim.lr=3e-4 resume=auto")
     t.set_defaults(command_fn="train")
     v = sub.add_parser("validate", help="evaluate a checkpoint on its recipe's validation data")
@@ -86,14 +106,15 @@ def _parser() -> argparse.ArgumentParser:
     g.set_defaults(command_fn="generate")
     e = sub.add_parser(
         "export",
-        help="write a checkpoint in its reference layout: HF Llama (LoRA merged), timm ViT, or one "
-        "safetensors file (sharded checkpoints merged)",
+        help="write a checkpoint in its reference layout: HF Llama (LoRA merged), HF BERT, timm ViT, or "
+        "one safetensors file (sharded checkpoints merged), with a model card (README.md) beside it",
         description="A Llama-layout model becomes an HF directory (config.json, model.safetensors, "
         "tokenizer.json, tokenizer_config.json with the chat template) that transformers' "
         "LlamaForCausalLM.from_pretrained loads; a ViT image classifier becomes a timm directory "
         "(config.json, model.safetensors) that timm.create_model('local-dir:OUT', pretrained=True) loads; "
+        "a BERT-layout encoder becomes an HF directory BertModel.from_pretrained loads; "
         "--format safetensors writes any checkpoint's weights, a sharded checkpoint folder merged, to "
-        "the file OUT.",
+        "the file OUT. Every export gets a Hub model card: OUT/README.md (OUT.md beside a file).",
     )
     e.add_argument(
         "checkpoint",
@@ -103,10 +124,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("out", type=Path, help="output directory (a file for --format safetensors)")
     e.add_argument(
         "--format",
-        choices=("auto", "llama", "timm", "safetensors"),
+        choices=("auto", "llama", "bert", "timm", "safetensors"),
         default="auto",
-        help="auto: timm for an image classifier",
+        help="auto: timm for an image classifier, else llama or bert by the model's layout",
     )
+    e.add_argument(
+        "--license", default="other", help="the Hub license id the model card declares (default: other)"
+    )
+    e.add_argument("--repo-id", default=None, help="the Hub repository (user/name) the card's snippets load")
     e.set_defaults(command_fn="export")
     sp = sub.add_parser(
         "sample",
@@ -149,10 +174,49 @@ def _parser() -> argparse.ArgumentParser:
     )
     sp.set_defaults(command_fn="sample")
 
+    tu = sub.add_parser(
+        "tune",
+        help="Lightning's LR finder (lr) or batch-size finder (batch-size) on a recipe; prints the override",
+        description="lr: the LR range test (Tuner.lr_find); writes its plot (PNG) and curve (CSV) to "
+        "runs/<name>/tune/ and prints optim.lr=<suggestion>. batch-size: Tuner.scale_batch_size on a task's "
+        "training batch size; prints tasks.<task>.data.batch_size=<n>. Both run on one device.",
+    )
+    tu.add_argument("what", choices=["lr", "batch-size"])
+    tu.add_argument("recipe", type=Path)
+    tu.add_argument("overrides", nargs="*", help="key=value recipe overrides")
+    tu.add_argument("--min-lr", type=float, default=1e-8, help="lr: the sweep's first learning rate")
+    tu.add_argument("--max-lr", type=float, default=1.0, help="lr: the sweep's last learning rate")
+    tu.add_argument(
+        "--num-training", type=_positive_int, default=100, help="lr: steps (learning rates tried)"
+    )
+    tu.add_argument(
+        "--mode",
+        choices=["exponential", "linear", "power", "binsearch"],
+        default=None,
+        help="lr: exponential (default) | linear; batch-size: power (default) | binsearch",
+    )
+    tu.add_argument(
+        "--task", default=None, help="batch-size: the task whose batch size (default: the only one)"
+    )
+    tu.add_argument("--init-val", type=_positive_int, default=2, help="batch-size: the first size tried")
+    tu.add_argument("--max-trials", type=_positive_int, default=25, help="batch-size: most sizes tried")
+    tu.add_argument("--steps-per-trial", type=_positive_int, default=3, help="batch-size: steps per size")
+    tu.add_argument("--max-val", type=_positive_int, default=8192, help="batch-size: the largest size tried")
+    tu.set_defaults(command_fn="tune")
     i = sub.add_parser("info", help="print the resolved recipe, parameter count and FLOPs per sample")
     i.add_argument("recipe", type=Path)
     i.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     i.set_defaults(command_fn="info")
+    pl = sub.add_parser(
+        "plot",
+        help="PNG training curves of a run from its metrics.csv (loss and main metric per task, lr, "
+        "throughput, gradient norm)",
+    )
+    pl.add_argument(
+        "run", type=Path, help="a run folder, its metrics.csv, or a recipe's folder of runs (its newest run)"
+    )
+    pl.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: RUN/plots)")
+    pl.set_defaults(command_fn="plot")
     d = sub.add_parser(
         "data",
         help="bundled datasets; WebDataset shards",

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from .build import build_datamodule
 from .build import load_checkpoint as load_training_checkpoint
 from .errors import RecipeError
+from .progress import progress
 from .tasks.diffusion import to_uint8
 
 
@@ -90,7 +91,7 @@ def evaluate_class_conditional(
     if not k:
         raise RecipeError("class-conditional evaluation needs a class-conditional diffusion model")
     fid = FrechetInceptionDistance(feature=classifier, normalize=False, reset_real_features=False)
-    for i in range(0, len(real), batch_size):
+    for i in progress(range(0, len(real), batch_size), "features of the real images", unit="batch"):
         fid.update(real[i : i + batch_size], real=True)
     labels = torch.arange(k).repeat_interleave(per_class)
     results = []
@@ -98,7 +99,8 @@ def evaluate_class_conditional(
         fid.reset()  # the generated features only
         generator = torch.Generator().manual_seed(seed)
         correct = 0
-        for i in range(0, len(labels), batch_size):
+        batches = range(0, len(labels), batch_size)
+        for i in progress(batches, f"sampling at cfg_scale {scale:g}", unit="batch"):
             y = labels[i : i + batch_size]
             images = to_uint8(
                 task.sample(

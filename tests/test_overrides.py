@@ -128,5 +128,5 @@ def test_a_lone_unknown_key_lists_the_valid_ones():
         load_recipe(QUICKSTART, ["logger.projet=x"])
     assert str(e.value) == (
         "unknown recipe key 'logger.projet'. Did you mean 'logger.project'? "
-        "Valid keys here: mode, project, entity, group, tags."
+        "Valid keys here: kinds, mode, project, entity, group, tags, log_model, mlflow_tracking_uri."
     )

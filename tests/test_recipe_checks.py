@@ -17,6 +17,7 @@ CLIP = RECIPES / "multimodal" / "clip_emoji.yaml"
 CAPTION = RECIPES / "multimodal" / "vit_prefixlm_caption_emoji.yaml"
 ENCDEC = RECIPES / "multimodal" / "encdec_asr_asterisk.yaml"
 VIT = RECIPES / "image" / "vit_tiny_classify_mnist5k.yaml"
+FINETUNE = RECIPES / "image" / "vit_tiny_finetune_digits.yaml"
 VIT_DATA = (
     "data: {kind: image_folder, root: mnist5k, batch_size: 128, num_workers: 0, cache: true, crop_padding: 2}"
 )
@@ -61,6 +62,13 @@ REJECTED = [
     ),
     (VIT, "model.lora={rank: 4}", "'model.lora' adapts pretrained weights"),
     (VIT, "optim.freeze_pretrained_epochs=1", "this model has none"),
+    (VIT, "trainer.precision=16-mixed", "set optim.implementation=foreach"),
+    (
+        FINETUNE,
+        "freeze_pretrained_epochs: 2}\ntrainer: {max_epochs: 30, validate_first: true} -> "
+        "freeze_pretrained_epochs: 2, name: lion}\ntrainer: {max_epochs: 30, strategy: fsdp2}",
+        "optim.freeze_pretrained_epochs with optim.name='lion' is not supported under trainer.strategy: fsdp2",
+    ),
     (VIT, f"{VIT_DATA} -> data: {{kind: audio_caption, root: x}}", "read by a task with a caption_tokenizer"),
     (VIT, "tasks.mnist.head=digit", "Did you mean 'digits'"),
     (VIT, "optim.lr_max=1", "unknown recipe key 'optim.lr_max'"),

@@ -36,7 +36,7 @@ def _run_dirs(workdir, name):
 def test_train_offline_writes_run_folder_wandb_and_checkpoints(tiny_recipe, workdir, capsys):
     assert main(["train", str(tiny_recipe), "logger.mode=offline", "trainer.max_epochs=1"]) == 0
     out = capsys.readouterr().out
-    assert "# resolved recipe" in out
+    assert "# recipe, what differs from the defaults" in out
     final = {line.split()[0]: float(line.split()[1]) for line in out.splitlines() if line.startswith("val/")}
     assert (
         set(final) == {"val/toy/acc", "val/toy/balanced_acc", "val/toy/loss"}

@@ -17,8 +17,9 @@ from ..tasks import MultiTaskModule
 def build_model(recipe, ctx: BuildContext | None = None) -> MultimodalModel:
     """The composed model (``tokenizers + backbone + heads``, and towers). ``ctx`` carries what a
     checkpoint pins (its text tokenizers, its pretrained architectures); pretrained parts load their
-    weights here, each source once. ``model.lora`` then wraps the backbone's linear layers and freezes
-    the pretrained parts. One context builds one model (its pretrained parts share tensors)."""
+    weights here, each source once. ``model.lora`` then wraps the linear layers of the backbone and of
+    the pretrained towers, and freezes the pretrained parts. One context builds one model (its
+    pretrained parts share tensors)."""
     ctx = ctx or BuildContext(recipe)
     m = recipe.model
     backbone = lookup("backbone", m.backbone.kind).builder(m.backbone, ctx)
@@ -47,12 +48,15 @@ def build_model(recipe, ctx: BuildContext | None = None) -> MultimodalModel:
     model.pretrained_configs = ctx.pretrained_configs()  # checkpoints carry them, so they stand alone
     if m.lora is not None:  # the pretrained parts freeze; adapters and new parts train
         freeze(model.backbone)
-        for table, parts in (("tokenizers", m.tokenizers), ("heads", m.heads)):
+        for table, parts in (("tokenizers", m.tokenizers), ("heads", m.heads), ("towers", m.towers)):
             for name, c in parts.items():
                 if c.kind == "pretrained":
                     freeze(getattr(model, table)[name])
+        # adapters on the backbone and on every pretrained tower (an encoder–decoder's encoder)
+        stacks = ["backbone"] + [f"towers.{n}" for n, c in m.towers.items() if c.kind == "pretrained"]
         try:
-            apply_lora(model, tuple(m.lora.targets), m.lora.rank, m.lora.alpha, m.lora.dropout, "backbone")
+            for stack in stacks:
+                apply_lora(model, tuple(m.lora.targets), m.lora.rank, m.lora.alpha, m.lora.dropout, stack)
         except ValueError as e:
             raise RecipeError(f"'model.lora.targets': {e}") from None
     return model

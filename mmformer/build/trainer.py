@@ -4,12 +4,17 @@ loaded recipe and its run folder, and the metric the best checkpoint monitors.""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import lightning as L
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.profilers import AdvancedProfiler, PyTorchProfiler, SimpleProfiler
 from lightning.pytorch.strategies import DDPStrategy
 
 from ..errors import RecipeError, did_you_mean
+from ..progress import setting as progress_setting
+from ..progress import shows
 from ..recipe import recipe_to_dict, recipe_to_yaml
 from ..tasks import MultiTaskModule
 from ..training.callbacks import BadSampleReport, EMAWeights, MediaSamples, ThroughputLogger
@@ -48,6 +53,17 @@ def default_monitor(recipe, module: MultiTaskModule) -> tuple[str, str]:
             f"Logged: {', '.join(sorted(known))}"
         )
     return monitor, recipe.checkpoint.mode or (mode if monitor == f"val/{first}/{metric}" else known[monitor])
+
+
+def progress_bars(t) -> list[TQDMProgressBar]:
+    """The progress bar of ``train`` and ``validate`` alike, for trainer section ``t``: none when
+    ``trainer.enable_progress_bar`` is false or ``MMFORMER_PROGRESS=0`` (pass
+    ``enable_progress_bar=bool(bars)``, or Lightning adds its own); redrawn every step on a terminal
+    (or with ``MMFORMER_PROGRESS=1``), into a log file a line every 20 steps. Lightning draws it on the
+    first process only."""
+    if not t.enable_progress_bar or progress_setting() is False:
+        return []
+    return [TQDMProgressBar(refresh_rate=1 if shows() else 20)]
 
 
 def pretrained_parts(recipe):
@@ -91,46 +107,18 @@ def _interactive() -> bool:
     return hasattr(sys, "ps1") or bool(sys.flags.interactive)
 
 
-def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=()) -> L.Trainer:
-    """The Lightning ``Trainer`` of a run: checkpoints (best, last, and a stop on SIGTERM / Ctrl-C),
-    throughput and media callbacks, EMA, freezing, loggers and the distribution strategy."""
-    monitor, mode = default_monitor(recipe, module)
-    ck = recipe.checkpoint
-    checkpoint = ModelCheckpoint(
-        dirpath=str(run.checkpoints),
-        filename="best-epoch{epoch:03d}-step{step:06d}",
-        monitor=monitor,
-        mode=mode,
-        save_top_k=ck.save_top_k,
-        save_last=False,  # LastCheckpoint keeps last.ckpt fresh
-        auto_insert_metric_name=False,  # validation only: a step-triggered save would carry a stale score
-    )
-    last = [LastCheckpoint(str(run.checkpoints), ck.every_n_train_steps)] if ck.save_last else []
-    # after the checkpoint callbacks: a stop on a signal keeps the best / last checkpoints of its step
-    stop = StopOnSignal(last[0] if last else None)
-    # Redrawn every step on a terminal; into a log file, a line every 20 steps is plenty.
-    progress = (
-        [TQDMProgressBar(refresh_rate=1 if sys.stderr.isatty() else 20)]
-        if recipe.trainer.enable_progress_bar
-        else []
-    )
-    ema = []
-    if recipe.optim.ema_decay is not None:  # under FSDP2 each rank averages its own shard
-        sharded_ema = recipe.trainer.strategy == "fsdp2"
-        ema = [(ShardedEMAWeights if sharded_ema else EMAWeights)(recipe.optim.ema_decay)]
-    freeze = []
-    if recipe.optim.freeze_pretrained_epochs:
-        freeze = [FreezePretrained(recipe.optim.freeze_pretrained_epochs, pretrained_parts(recipe))]
-    loggers = build_loggers(
-        recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
-    )
-    t = recipe.trainer
-    # frozen parameters, or the parts of the tasks a sampled step does not train, get no gradient:
-    # DDP must be told (find_unused_parameters), or it waits for them forever
-    unused = bool(freeze) or (recipe.multitask.schedule == "sampled" and len(recipe.tasks) > 1)
-    strategy = build_strategy(t, unused, sharded=recipe.checkpoint.sharded)
-    module.compile_blocks, module.checkpoint_blocks = t.compile, t.activation_checkpointing
-    kwargs = dict(
+# ``trainer.profiler: <name>``: the profiler, writing its report to ``<run folder>/<stage>-profile.txt``
+PROFILERS = {"simple": SimpleProfiler, "advanced": AdvancedProfiler, "pytorch": PyTorchProfiler}
+
+
+def trainer_arguments(t, root: Path) -> dict:
+    """The ``lightning.Trainer`` arguments that trainer section ``t`` sets: the typed ones, then every other
+    one (``t.extra``: ``fast_dev_run``, ``overfit_batches``, ``detect_anomaly`` …) as written; a profiler
+    named ``simple`` / ``advanced`` / ``pytorch`` writes its report to ``root/<stage>-profile.txt`` (fit,
+    validate). Lightning's own model summary is off unless ``trainer.enable_model_summary`` turns it on
+    (the CLI prints parameters and FLOPs per sample instead). Strategy and mmformer's own arguments
+    (loggers, callbacks, run folder …) are the caller's."""
+    args = dict(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
@@ -149,7 +137,97 @@ def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=())
         num_sanity_val_steps=t.num_sanity_val_steps,
         deterministic=t.deterministic,
         enable_progress_bar=t.enable_progress_bar,
-        enable_model_summary=False,  # the CLI prints parameters and FLOPs per sample instead
+        enable_model_summary=False,
+    )
+    args.update(t.extra)
+    profiler = args.get("profiler")
+    if isinstance(profiler, str) and profiler.lower() in PROFILERS:
+        args["profiler"] = PROFILERS[profiler.lower()](dirpath=str(root), filename="profile")
+    return args
+
+
+def is_fast_dev_run(t) -> bool:
+    """``trainer.fast_dev_run`` is on: a few batches as a smoke test, no checkpoints or logs."""
+    return bool(t.extra.get("fast_dev_run"))
+
+
+class RunNotes(L.Callback):
+    """What a run's end-of-run report would otherwise leave out, printed by rank 0 when ``fit`` ends: that
+    a ``trainer.fast_dev_run`` wrote no checkpoint, ``metrics.csv`` or W&B run, and where the profiler's
+    report goes (Lightning writes it just after, when the stage tears down)."""
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        if trainer.fast_dev_run:
+            n = int(trainer.fast_dev_run)
+            print(
+                f"trainer.fast_dev_run: a smoke test of {n} training and {n} validation batch(es) per task "
+                f"({trainer.global_step} optimizer step(s)); no checkpoint, metrics.csv or W&B run was "
+                "written and resume=auto will not pick this run up",
+                flush=True,
+            )
+        profiler = trainer.profiler
+        if isinstance(profiler, tuple(PROFILERS.values())) and profiler.dirpath and profiler.filename:
+            print(f"profiler report: {Path(profiler.dirpath) / profiler._prepare_filename()}", flush=True)
+
+
+def _slurm() -> list:
+    """Under SLURM, Lightning's cluster environment without its SIGUSR1 auto-requeue: that handler saves a
+    checkpoint from inside the signal handler, with a barrier each rank reaches at a different point of
+    its step (the hang ``training.preemption`` avoids for SIGTERM). mmformer stops on SIGTERM at an agreed
+    step instead, and ``docker/train_slurm.sbatch`` requeues the job (docs/distributed.md, SLURM)."""
+    return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+
+
+def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=()) -> L.Trainer:
+    """The Lightning ``Trainer`` of a run: checkpoints (best, last, and a stop on SIGTERM / Ctrl-C),
+    throughput and media callbacks, EMA, freezing, loggers and the distribution strategy, with every
+    Lightning argument of the recipe's ``trainer`` section (``trainer_arguments``). Under
+    ``trainer.fast_dev_run`` no ``last.ckpt`` and no loggers are made (Lightning turns off its own
+    checkpoints and loggers there; W&B would start a run for nothing)."""
+    monitor, mode = default_monitor(recipe, module)
+    smoke_test = is_fast_dev_run(recipe.trainer)
+    ck = recipe.checkpoint
+    checkpoint = ModelCheckpoint(
+        dirpath=str(run.checkpoints),
+        filename="best-epoch{epoch:03d}-step{step:06d}",
+        monitor=monitor,
+        mode=mode,
+        save_top_k=ck.save_top_k,
+        save_last=False,  # LastCheckpoint keeps last.ckpt fresh
+        auto_insert_metric_name=False,  # validation only: a step-triggered save would carry a stale score
+    )
+    last = (
+        [LastCheckpoint(str(run.checkpoints), ck.every_n_train_steps)]
+        if ck.save_last and not smoke_test
+        else []
+    )
+    # after the checkpoint callbacks: a stop on a signal keeps the best / last checkpoints of its step
+    stop = StopOnSignal(last[0] if last else None)
+    progress = progress_bars(recipe.trainer)
+    ema = []
+    if recipe.optim.ema_decay is not None:  # under FSDP2 each rank averages its own shard
+        sharded_ema = recipe.trainer.strategy == "fsdp2"
+        ema = [(ShardedEMAWeights if sharded_ema else EMAWeights)(recipe.optim.ema_decay)]
+    freeze = []
+    if recipe.optim.freeze_pretrained_epochs:
+        freeze = [FreezePretrained(recipe.optim.freeze_pretrained_epochs, pretrained_parts(recipe))]
+    loggers = (
+        []
+        if smoke_test
+        else build_loggers(
+            recipe.logger, run.dir, f"{recipe.name}/{run.run_id}", run.wandb_id, recipe_to_dict(recipe)
+        )
+    )
+    t = recipe.trainer
+    # frozen parameters, or the parts of the tasks a sampled step does not train, get no gradient:
+    # DDP must be told (find_unused_parameters), or it waits for them forever
+    unused = bool(freeze) or (recipe.multitask.schedule == "sampled" and len(recipe.tasks) > 1)
+    strategy = build_strategy(t, unused, sharded=recipe.checkpoint.sharded)
+    module.compile_blocks, module.checkpoint_blocks = t.compile, t.activation_checkpointing
+    kwargs = trainer_arguments(t, run.dir) | dict(
+        enable_progress_bar=bool(progress),
         inference_mode=False,  # no_grad: metric states stay usable when validate_first runs before fit
         default_root_dir=str(run.dir),
         use_distributed_sampler=False,  # the datamodule shards itself (no padded evaluation)
@@ -167,8 +245,9 @@ def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=())
             *freeze,
             *progress,
             *extra_callbacks,
+            RunNotes(),
         ],
-        plugins=[AtomicCheckpointIO()],
+        plugins=[AtomicCheckpointIO(), *_slurm()],
     )
     trainer = L.Trainer(strategy=strategy, **kwargs)
     if unused and strategy == "auto" and type(trainer.strategy) is DDPStrategy:  # "auto" chose DDP: tell it

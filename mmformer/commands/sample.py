@@ -69,6 +69,7 @@ def cmd_sample(args) -> int:
                 sampler=args.sampler,
                 generator=torch.Generator().manual_seed(args.seed),
                 captions=captions,
+                bar=True,  # on a terminal
             )
         except ValueError as e:
             raise UsageError(str(e)) from None

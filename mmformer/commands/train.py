@@ -10,8 +10,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..build import BuildContext, build_datamodule, build_module, build_trainer
 from ..recipe import load_recipe, recipe_to_yaml
+from ..recipe.defaults import non_defaults_yaml
 from ..training.callbacks import LastValidationStep
-from ..training.loggers import check_wandb_login, finish_loggers
+from ..training.loggers import check_loggers, finish_loggers, wandb_run_url, wandb_sync_command
 from ..training.preemption import Preempted
 from ..training.runs import describe_resume, exported, open_run
 from ..training.sharded import read_meta
@@ -56,10 +57,11 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     """Train a resolved recipe (what ``mmformer train`` does); returns ``(trainer, run)``.
 
     Ends with a validation of the final weights when the last step was not already validated.
-    ``verbose`` prints the resolved recipe, the model's size and FLOPs, and what is resumed.
-    Raises ``UsageError`` at once, before any data is read, for W&B online without an API key.
+    ``verbose`` prints the recipe's non-defaults, the model's size and FLOPs, and what is resumed.
+    Raises ``UsageError`` at once, before any data is read, for W&B online without an API key or a
+    ``logger.kinds`` entry whose package is not installed.
     """
-    check_wandb_login(recipe.logger.mode)
+    check_loggers(recipe.logger)
 
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     run = open_run(recipe.name, recipe.resume)
@@ -76,10 +78,16 @@ def _fit(recipe, run, extra_callbacks, verbose: bool):
         datamodule = build_datamodule(recipe, ctx)  # fails here, before anything long, on bad data paths
         module = build_module(recipe, ctx=ctx)
         if verbose:
-            _say("# resolved recipe\n" + recipe_to_yaml(recipe))
+            whole = run.dir / "recipe.yaml"
+            _say(
+                f"# recipe, what differs from the defaults (the whole recipe: {whole})\n"
+                + non_defaults_yaml(recipe)
+            )
             _say("\n".join(describe_model(module.model, recipe)))
         tracker = LastValidationStep()
         trainer = build_trainer(recipe, run, module, extra_callbacks=[tracker, *extra_callbacks])
+        if verbose and (url := wandb_run_url(trainer.loggers)):
+            _say(f"W&B run: {url}")
         if run.resume_from is not None and verbose:
             _say(describe_resume(run, recipe_to_yaml(recipe), resumed))
         if recipe.trainer.validate_first and run.resume_from is None:  # the "before" numbers, at step 0
@@ -107,11 +115,10 @@ def _report(trainer, run) -> None:
     for key in sorted(metrics):
         print(f"{key} {metrics[key]:.4f}")
     print(f"run folder: {run.dir}")
-    print(f"checkpoints: {run.checkpoints}")
-    wandb_dir = run.dir / "wandb"
-    if wandb_dir.exists():
-        offline = sorted(wandb_dir.glob("offline-run-*"))
-        if offline:
-            print(f"W&B (offline): {offline[-1]}  — upload with: wandb sync {offline[-1]}")
-        else:
-            print(f"W&B: {wandb_dir}")
+    saved = sorted(run.checkpoints.glob("*.ckpt")) if run.checkpoints.is_dir() else []
+    print(f"checkpoints: {run.checkpoints}" if saved else "checkpoints: none written")
+    url, sync = wandb_run_url(trainer.loggers), wandb_sync_command(run.dir, run.wandb_id)
+    if url:
+        print(f"W&B run: {url}")
+    if sync:
+        print(f"W&B (offline), upload every segment of the run with: {sync}")

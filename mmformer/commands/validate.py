@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 
 from ..build import build_datamodule, build_strategy, load_checkpoint
+from ..build.trainer import progress_bars
 
 
 def cmd_validate(args) -> int:
@@ -13,6 +14,7 @@ def cmd_validate(args) -> int:
     module = loaded.module()
     datamodule = build_datamodule(loaded.recipe, loaded.context)  # read with the weights' own tokenizers
     t = loaded.recipe.trainer
+    bars = progress_bars(t)  # the bar training draws
     trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
@@ -22,7 +24,8 @@ def cmd_validate(args) -> int:
         enable_checkpointing=False,
         use_distributed_sampler=False,
         limit_val_batches=t.limit_val_batches,
-        enable_progress_bar=t.enable_progress_bar,
+        enable_progress_bar=bool(bars),
+        callbacks=bars,
     )
     trainer.validate(module, datamodule=datamodule, verbose=False)
     if trainer.is_global_zero:

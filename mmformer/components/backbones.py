@@ -166,13 +166,18 @@ class PretrainedBackboneConfig:
     (``mmformer.models.pretrained``: a known name, a ``.gguf`` file or an HF Llama / BERT directory)."""
 
     kind: str = "pretrained"
-    source: str = MISSING  # smollm2-135m-instruct | all-minilm-l6-v2 | PATH
+    source: str = MISSING  # smollm2-135m-instruct | all-minilm-l6-v2 | whisper-tiny.en | PATH
+    # an encoder–decoder source (Whisper): encoder (default; a tower) | decoder (the causal
+    # cross-attention blocks, the shared backbone of a seq2seq task; the whole model is loaded)
+    part: Optional[str] = None
     freeze_layers: int = 0  # freeze the first k blocks; all of them: the final norm too (the tokenizer's
     # `freeze` freezes the embeddings)
 
     def __post_init__(self) -> None:
         if self.freeze_layers < 0:
             raise ValueError(f"freeze_layers must be >= 0, got {self.freeze_layers}")
+        if self.part not in (None, "encoder", "decoder"):
+            raise ValueError(f"part={self.part!r}; choose encoder or decoder (of an encoder–decoder source)")
 
 
 @register("backbone", "transformer", BackboneConfig)
@@ -234,9 +239,23 @@ def freeze(module, frozen: bool = True) -> None:
         p.requires_grad_(not frozen)
 
 
+def part_backbone(pretrained, part: str | None) -> Backbone:
+    """The blocks of ``part`` of a pretrained source: its backbone, or an encoder–decoder's (Whisper,
+    loaded whole or as the encoder alone: ``encoder`` → the audio tower, ``decoder`` → the decoder).
+    Raises ``RecipeError`` for a ``part`` of a source that has no parts."""
+    model = pretrained.model
+    if pretrained.family != "whisper":
+        if part is not None:
+            raise RecipeError(f"'part' applies to encoder–decoder sources (Whisper), not {pretrained.source}")
+        return model.backbone
+    if part == "decoder":
+        return model.backbone
+    return model.towers["audio"] if "audio" in model.towers else model.backbone
+
+
 @register("backbone", "pretrained", PretrainedBackboneConfig)
 def build_pretrained_backbone(cfg: PretrainedBackboneConfig, ctx: BuildContext) -> Backbone:
-    backbone = ctx.pretrained(cfg.source).model.backbone
+    backbone = part_backbone(ctx.pretrained(cfg.source), cfg.part)
     if cfg.freeze_layers > len(backbone.blocks):
         raise RecipeError(
             f"'model.backbone.freeze_layers' is {cfg.freeze_layers} but {cfg.source} has "

@@ -33,13 +33,13 @@ from ..models.pretrained import (
     resolve_pretrained,
 )
 from ..models.pretrained.timm_vit import describe_timm_vit
-from ..models.pretrained.whisper import build_whisper_encoder
+from ..models.pretrained.whisper import build_whisper_source, whisper_tokenizer
 from ..tokenizers.text import MASK_TOKEN, TextTokenizer
 
 ARCHITECTURES = {
     "llama": build_llama,
     "bert": build_bert,
-    "whisper": build_whisper_encoder,
+    "whisper": build_whisper_source,
     "timm_vit": build_timm_vit,
 }
 
@@ -90,9 +90,18 @@ class BuildContext:
                 model = ARCHITECTURES[pinned["family"]](pinned["config"])
                 self.loaded[key] = Pretrained(model, None, pinned["config"], pinned["family"], source)
             else:
-                self.loaded[key] = load_pretrained(source)
+                self.loaded[key] = load_pretrained(source, decoder=self._needs_decoder(source))
                 self.loaded[key].source = source
         return self.loaded[key]
+
+    def _needs_decoder(self, source: str) -> bool:
+        """Whether the recipe reads an encoder–decoder source's decoder (Whisper's: a part with
+        ``part: decoder``, or its LM head), so the whole model is loaded, not the encoder alone."""
+        return any(
+            getattr(c, "source", None) == source
+            and (key.startswith("model.heads.") or getattr(c, "part", None) == "decoder")
+            for key, c in _model_parts(self.recipe)
+        )
 
     def _resolved(self, source: str) -> Path:
         """``resolve_pretrained(source)``; raises ``SourceNotFoundError`` naming the recipe keys that
@@ -128,6 +137,8 @@ class BuildContext:
             pinned = self.pinned_pretrained.get(cfg.source)
             if not pinned:
                 self._resolved(cfg.source)
+            if getattr(cfg, "part", None) == "decoder":  # an encoder–decoder's text side
+                return "text"
             return FAMILY_MODALITY[pinned["family"] if pinned else pretrained_family(cfg.source)]
         return getattr(cfg, "modality", "image")
 
@@ -169,6 +180,16 @@ class BuildContext:
             return self.pinned_text[name]
         recipe = self.recipe
         cfg = recipe.model.tokenizers[name]
+        if (
+            cfg.kind == "pretrained" and cfg.part == "decoder"
+        ):  # Whisper's: its prompt needs the model's sizes
+            path = self._resolved(cfg.source)
+            if pretrained_family(cfg.source) != "whisper":
+                raise RecipeError(
+                    f"'model.tokenizers.{name}.part' applies to encoder–decoder sources (Whisper)"
+                )
+            make = lambda: whisper_tokenizer(path, self.source_config(cfg.source))  # noqa: E731
+            return self._cached(f"pretrained-decoder:{cfg.source}", make)
         if cfg.kind == "pretrained":
             self._resolved(cfg.source)
             return self._cached(f"pretrained:{cfg.source}", lambda: load_pretrained_tokenizer(cfg.source))

@@ -166,10 +166,16 @@ class PretrainedTokenizerConfig(AudioAugmentation):
 
     kind: str = "pretrained"
     source: str = MISSING
+    # an encoder–decoder source (Whisper): encoder (default: the audio stem) | decoder (its text
+    # tokenizer, prompt and embeddings; the recipe then loads the whole model)
+    part: Optional[str] = None
     freeze: bool = False  # keep the embeddings / stem (and a head tied to them) fixed
     image_size: Optional[int] = None  # image (timm ViT): position embeddings resampled to this size
     in_chans: Optional[int] = None  # image (timm ViT): patch embedding adapted to 1 (gray) or 3 channels
     max_seconds: float = 30.0  # audio: longer clips are cut (Whisper has 30 s of positions)
+    # audio: zero-pad every clip to max_seconds, all of it read as signal (Whisper's pad_or_trim: the
+    # pretrained model was trained on 30 s windows and transcribes short unpadded clips worse)
+    pad_to_max: bool = False
 
     @property
     def sample_rate(self) -> int:
@@ -177,6 +183,8 @@ class PretrainedTokenizerConfig(AudioAugmentation):
 
     def __post_init__(self) -> None:
         positive(self, "max_seconds", "image_size")
+        if self.part not in (None, "encoder", "decoder"):
+            raise ValueError(f"part={self.part!r}; choose encoder or decoder (of an encoder–decoder source)")
         if self.in_chans not in (None, 1, 3):
             raise ValueError(f"in_chans must be 1 (grayscale) or 3 (RGB), got {self.in_chans}")
         if self.max_seconds > 30.0:
@@ -243,10 +251,25 @@ def timm_report(pretrained: Pretrained) -> LoadReport:
     return pretrained.report
 
 
+def part_tokenizer(pretrained: Pretrained, part: str | None, where: str):
+    """The tokenizer of ``part`` of a pretrained source: its only one, or an encoder–decoder's (Whisper:
+    ``encoder`` → the audio stem, ``decoder`` → the text embeddings). Raises ``RecipeError`` for a
+    ``part`` of a source that has no parts."""
+    tokenizers = pretrained.model.tokenizers
+    if pretrained.family != "whisper":
+        if part is not None:
+            raise RecipeError(
+                f"'{where}.part' applies to encoder–decoder sources (Whisper), not {pretrained.source}"
+            )
+        (tokenizer,) = tokenizers.values()
+        return tokenizer
+    return tokenizers["text" if part == "decoder" else "audio"]
+
+
 @register("tokenizer", "pretrained", PretrainedTokenizerConfig)
 def build_pretrained_tokenizer(cfg: PretrainedTokenizerConfig, d_model: int, ctx: BuildContext, name: str):
     pretrained = ctx.pretrained(cfg.source)
-    (tokenizer,) = pretrained.model.tokenizers.values()
+    tokenizer = part_tokenizer(pretrained, cfg.part, f"model.tokenizers.{name}")
     if pretrained.family == "timm_vit":
         try:
             tokenizer, _ = adapt_tokenizer(
@@ -268,6 +291,12 @@ def build_pretrained_tokenizer(cfg: PretrainedTokenizerConfig, d_model: int, ctx
         if not hasattr(tokenizer, "spec_augment"):
             raise RecipeError(f"freq_mask / time_mask apply to audio; {cfg.source} is a text model")
         tokenizer.spec_augment = SpecAugment(cfg.freq_mask, cfg.time_mask)
+    if cfg.pad_to_max:
+        if not hasattr(tokenizer, "pad_to"):
+            raise RecipeError(
+                f"'model.tokenizers.{name}.pad_to_max' applies to audio; this part of {cfg.source} is not"
+            )
+        tokenizer.pad_to = int(round(cfg.max_seconds * tokenizer.sample_rate))
     if cfg.freeze:
         freeze(tokenizer)
     return tokenizer
@@ -287,6 +316,8 @@ def modality_at_load(cfg) -> str | None:
     be resolved here (a checkpoint's, on another machine) gives None (its rules are checked at build)."""
     if cfg.kind != "pretrained":
         return getattr(cfg, "modality", "image")  # a user's kind that declares none reads images
+    if getattr(cfg, "part", None) == "decoder":  # an encoder–decoder's text side
+        return "text"
     try:
         return FAMILY_MODALITY[pretrained_family(cfg.source)]
     except (FileNotFoundError, ValueError):

@@ -56,6 +56,7 @@ def audio_caption_data(cfg, preprocess, tokenizer):
 
     def make(split: str, side) -> AudioCaptions:
         rows = manifest_rows(root / f"{split}.jsonl", cfg.text_key, transcript=True)
+        rows = [r for r in rows if getattr(cfg, "synthetic", True) or not r.get("synthetic")]
         ids = encode_captions(tokenizer, [r[cfg.text_key] for r in rows], cfg.max_len)
         return AudioCaptions(rows, ids, side, cfg.text_key)
 

@@ -9,7 +9,8 @@ paths resolved against ``SRC``). One sample per row, in row order:
 
 - the original media bytes (``.png`` / ``.jpg`` / … or ``.wav`` / ``.flac`` / …);
 - ``.txt``: the caption (transcript);
-- ``.cid``: the caption id (``collate.caption_ids`` over the split's caption texts: equal texts, equal
+- ``.cid``: the caption id (shards without one — other people's — use ``text_id``: a hash of the text)
+  (``collate.caption_ids`` over the split's caption texts: equal texts, equal
   ids). The folder datasets number equal *token ids after cutting to max_len* instead, so the two
   agree unless two different captions become equal only after a tokenizer's normalisation or the cut;
 - ``.json`` (image captions): the row's other fields, e.g. emoji's ``group``; a field ``F`` with a
@@ -23,6 +24,7 @@ tokenizer's train / val data side (as ``audio_caption``).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import shutil
@@ -87,7 +89,7 @@ def shard_captions(
         rows = _caption_rows(manifest, media, text_key)
         fields.update(k for r in rows for k in r if k not in (media, text_key))
         samples = _samples(rows, media, text_key, meta=media == "image")
-        info["splits"][split] = write_shards(samples, out, split, samples_per_shard)
+        info["splits"][split] = write_shards(samples, out, split, samples_per_shard, len(rows))
     for field in sorted(fields):  # zero-shot class prompts (image_caption's label_key)
         if (Path(src) / f"{field}.json").is_file() and field != Path(INDEX).stem:
             shutil.copyfile(Path(src) / f"{field}.json", out / f"{field}.json")
@@ -101,8 +103,14 @@ def _caption(raw: dict, tokenizer, max_len: int) -> dict:
     return {
         "ids": encode_captions(tokenizer, [text], max_len)[0],
         "caption": text,
-        "caption_id": int(raw["cid"]),
+        "caption_id": int(raw["cid"]) if "cid" in raw else text_id(text),
     }
+
+
+def text_id(text: str) -> int:
+    """A caption id for shards written without ``.cid`` (other people's): 62 bits of the text's SHA-256,
+    equal for equal texts (exact-text equality; ``.cid`` numbers equal token ids after the cut)."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") >> 2
 
 
 def image_caption_decoder(

@@ -203,8 +203,10 @@ class MultiTaskDataModule(L.LightningDataModule):
         if trainer is not None:
             accumulate, limit = trainer.accumulate_grad_batches, trainer.limit_train_batches
 
-        def epoch() -> int:
-            return trainer.current_epoch if trainer is not None else 0
+        def epoch() -> int:  # overfit_batches: the same batches every epoch (Lightning's own meaning)
+            if trainer is None or getattr(trainer, "overfit_batches", 0):
+                return 0
+            return trainer.current_epoch
 
         steps = self._train_steps(loaders, epoch)
         if isinstance(limit, float):

@@ -16,6 +16,7 @@ import json
 import unicodedata
 from pathlib import Path
 
+from ..progress import progress
 from .roots import DataError
 
 EMOJI_FONT = Path("/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf")
@@ -78,7 +79,8 @@ def build_emoji(out: Path, size: int = 64) -> None:
     font = ImageFont.truetype(str(EMOJI_FONT), FONT_SIZE, layout_engine=ImageFont.Layout.BASIC)
     (out / "images").mkdir(parents=True)
     rows: dict[str, list[str]] = {"train": [], "val": []}
-    for cp in (c for r in CANDIDATES for c in r):
+    codepoints = [c for r in CANDIDATES for c in r]
+    for cp in progress(codepoints, "emoji: rendering", unit="code point"):
         name = unicodedata.name(chr(cp), "")
         if not name or any(cp in r for r in EXCLUDED):
             continue  # unnamed in this Python's Unicode tables, or not a picture

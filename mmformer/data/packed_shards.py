@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
+from ..progress import progress
 from .roots import DataError
-from .shards import FORMAT, INDEX, ShardStream, buffer_shuffled, read_samples, write_shards
+from .shards import FORMAT, INDEX, ShardStream, buffer_shuffled, read_samples, shard_location, write_shards
 from .text import corpus_split
 
 log = logging.getLogger("mmformer.data")
@@ -69,8 +70,8 @@ def count_tokens(root: Path, shards: list[list], tokenizer) -> list[int]:
             return 0
 
     return [
-        sum(tokens(raw) for raw in read_samples(Path(root) / name, n, lambda lost: None))
-        for name, n in shards
+        sum(tokens(raw) for raw in read_samples(shard_location(root, name), n, lambda lost: None))
+        for name, n in progress(shards, "counting tokens", unit="shard")
     ]
 
 
@@ -265,7 +266,7 @@ def shard_text(
     info = {"format": FORMAT, "modality": "text", "classes": [], "splits": {}}
     for split, ids in (("train", train), ("val", val)):
         samples = ({"txt": docs[int(i)]} for i in ids)
-        info["splits"][split] = write_shards(samples, out, split, samples_per_shard)
+        info["splits"][split] = write_shards(samples, out, split, samples_per_shard, len(ids))
     if tokenizer is not None:
         info["tokens"] = {
             "tokenizer": tokenizer_digest(tokenizer),

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import did_you_mean
+from ..progress import progress
 from .emoji import EMOJI_FONT, EMOJI_INSTALL, EMOJI_TEST, build_emoji
 from .lra import build_kjv_books, build_kjv_pairs, build_listops, build_mnist5k_pixels, build_pathfinder
 from .roots import DataError, data_root
@@ -82,9 +83,8 @@ def _write_gray_folder(
 ) -> None:
     """uint8 images ``(N, H, W)`` → ``out/{train,val}/<label>/<index>.png`` (index zero-padded)."""
     from PIL import Image
-    from tqdm import tqdm
 
-    for i in tqdm(range(len(pixels)), desc=desc, unit="img"):
+    for i in progress(range(len(pixels)), desc=desc, unit="img"):
         d = out / ("val" if is_val[i] else "train") / str(labels[i])
         d.mkdir(parents=True, exist_ok=True)
         Image.fromarray(pixels[i], mode="L").save(d / f"{i:0{digits}d}.png")

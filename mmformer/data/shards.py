@@ -12,7 +12,10 @@ A shard folder holds ``<split>-000000.tar`` … (WebDataset's format: the files 
 - ``image_caption`` / ``audio_caption``: the media bytes, ``.txt`` (the caption) and ``.cid`` (its
   caption id), for the contrastive, prefix-LM and encoder–decoder tasks (``caption_shards``).
 
-``ShardStream`` reads them as an ``IterableDataset``. Training: every epoch the shard order is shuffled
+``ShardStream`` reads them as an ``IterableDataset``; a shard is a path or a URL read through
+``webdataset.gopen`` (``pipe:``, ``file:``, ``http(s):``, ``open_shard``). Shards without ``index.json``,
+brace patterns, URLs and mixes of several sources are resolved by ``shard_sources`` (which also builds
+the ``TaskData`` of ``data.kind: shards``). Training: every epoch the shard order is shuffled
 from ``(seed, epoch)`` and dealt out by rank, then by data-loader worker (WebDataset's ``split_by_node``
 / ``split_by_worker``); samples pass through a shuffling buffer; each worker yields a fixed quota
 (cycling its shards if they run short), so every rank takes the same number of steps and an epoch is
@@ -28,7 +31,8 @@ a shard cut short or damaged is named once with the number of samples lost after
 training skips (its quota is filled from its other shards) and evaluation counts as skipped: each lost or
 unreadable evaluation sample is a ``stand_in`` row, dropped by the evaluation collate, so every rank
 still runs the batches ``eval_batches`` counts. A run resumed mid-epoch skips, without decoding,
-the samples its workers had already delivered. A training sample is decoded and augmented inside its own
+the samples its workers had already delivered, and does not even open the shard visits it had finished
+(worked out from the counts: a pipe cannot seek). A training sample is decoded and augmented inside its own
 random stream, seeded from ``(seed, epoch, shard name / key)`` (``seeding``), so its augmentation does
 not depend on the worker that reads it or on a resume.
 """
@@ -40,6 +44,7 @@ import itertools
 import json
 import logging
 import random
+import re
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
@@ -47,11 +52,11 @@ from pathlib import Path, PurePosixPath
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ..progress import progress
 from .audio import folder_samples, load_complete
 from .bad_samples import report_unreadable, stand_in, warn_once
-from .datamodule import TaskData
 from .folders import audio_extensions, class_files, find_classes, image_extensions
-from .roots import DataError, resolve_root
+from .roots import DataError
 from .seeding import sample_seed, seeded
 
 log = logging.getLogger("mmformer.data")
@@ -61,15 +66,17 @@ INDEX = "index.json"
 
 
 # --------------------------------------------------------------------------- writing
-def write_shards(samples: Iterator[dict], out: Path, split: str, samples_per_shard: int) -> list[list]:
-    """Write ``samples`` (WebDataset dicts without ``__key__``) to ``out/<split>-NNNNNN.tar``; returns
-    ``[[file name, number of samples], …]``."""
+def write_shards(
+    samples: Iterator[dict], out: Path, split: str, samples_per_shard: int, total: int | None = None
+) -> list[list]:
+    """Write ``samples`` (WebDataset dicts without ``__key__``; ``total`` of them, when known, for the
+    progress bar) to ``out/<split>-NNNNNN.tar``; returns ``[[file name, number of samples], …]``."""
     import webdataset as wds
 
     out.mkdir(parents=True, exist_ok=True)
     shards: list[list] = []
     writer, count = None, 0
-    for i, sample in enumerate(samples):
+    for i, sample in enumerate(progress(samples, f"sharding {split}", total, unit="sample")):
         if writer is None or count == samples_per_shard:
             if writer is not None:
                 writer.close()
@@ -110,7 +117,8 @@ def shard_folder(src: Path, out: Path, modality: str, samples_per_shard: int = 1
 
     info = {"format": FORMAT, "modality": modality, "classes": classes, "splits": {}}
     for split in splits:
-        info["splits"][split] = write_shards(_file_samples(items(split)), out, split, samples_per_shard)
+        files = items(split)
+        info["splits"][split] = write_shards(_file_samples(files), out, split, samples_per_shard, len(files))
     (out / INDEX).write_text(json.dumps(info, indent=1))
     return info
 
@@ -156,10 +164,33 @@ def _inside(name: str) -> bool:
 SHARD_ERRORS = (tarfile.TarError, EOFError, OSError)
 
 
+def is_url(name: str | Path) -> bool:
+    """A shard location with a scheme (``pipe:``, ``file:``, ``http(s):``, …): opened with webdataset's
+    ``gopen`` (a single letter before ``:`` is a drive, not a scheme)."""
+    return isinstance(name, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", name) is not None
+
+
+def shard_location(root: Path, name: str) -> Path | str:
+    """Where shard ``name`` of an index at ``root`` is: a URL as it is, else a path (an absolute ``name``
+    stays itself, a relative one is inside ``root``)."""
+    return name if is_url(name) else Path(root) / name
+
+
+def open_shard(location: Path | str):
+    """A binary stream of one shard: a local path with ``open``, a URL with ``webdataset.gopen``
+    (``pipe:CMD`` reads CMD's output, ``file:``, ``http(s):`` through curl, …). Raises ``OSError``."""
+    if not is_url(location):
+        return open(location, "rb")
+    from webdataset import gopen
+
+    return gopen(str(location), "rb")
+
+
 def read_samples(
-    path: Path, expected: int | None = None, damaged: Callable[[list[str]], None] | None = None
+    path: Path | str, expected: int | None = None, damaged: Callable[[list[str]], None] | None = None
 ) -> Iterator[dict]:
-    """The samples of one tar shard as ``{"__key__": …, ext: bytes}`` (webdataset's tar iterators).
+    """The samples of one tar shard (a path or a URL, ``open_shard``) as ``{"__key__": …, ext: bytes}``
+    (webdataset's tar iterators).
 
     A shard that is damaged or cut short — a ``tarfile`` error, or fewer than its ``expected`` samples —
     yields the samples before the damage, then raises ``DataError`` naming it; with ``damaged`` it is
@@ -177,10 +208,15 @@ def read_samples(
             failure.append(e)
 
     count = 0
-    with open(path, "rb") as f:
-        for sample in group_by_keys(members(f)):
-            count += 1
-            yield sample
+    try:
+        stream = open_shard(path)
+    except OSError as e:  # a shard that cannot be opened at all: every sample of it is lost
+        failure.append(e)
+    else:
+        with stream as f:
+            for sample in group_by_keys(members(f)):
+                count += 1
+                yield sample
     short = expected is not None and count < expected
     if not failure and not short:
         return
@@ -236,7 +272,7 @@ class ShardStream(IterableDataset):
         """Read as rank ``rank`` of ``world`` (the datamodule calls this when it builds the loader; each
         worker of ``workers`` finds its part itself)."""
         self.world, self.rank = world, rank
-        total = sum(n for _, n in self.shards)
+        total = self.epoch_samples()
         self.per_rank = (
             (total // (world * self.batch_size)) * self.batch_size
             if self.train
@@ -257,6 +293,18 @@ class ShardStream(IterableDataset):
     def __len__(self) -> int:
         return self.per_rank
 
+    def epoch_samples(self) -> int:
+        """Samples in one training epoch over all ranks (before cutting to whole batches per rank)."""
+        return sum(n for _, n in self.shards)
+
+    def epoch_order(self) -> list[int]:
+        """This epoch's shard visits (indices into ``shards``, a shard may come more than once, as in a
+        mix with upsampling), in the order dealt out to ranks and workers: a seeded shuffle of
+        ``(seed, epoch)``, the same on every rank."""
+        order = list(range(len(self.shards)))
+        random.Random(hash((self.seed, self.epoch))).shuffle(order)
+        return order
+
     def eval_batches(self, rank: int, workers: int) -> int:
         """Evaluation batches rank ``rank`` reads with ``workers`` loader workers (each worker batches its
         own shards' samples; ``max(1, workers)``)."""
@@ -273,10 +321,14 @@ class ShardStream(IterableDataset):
         start = 0
         for name, n in self.shards:
             if 0 <= i - start < n:
-                raw = next(itertools.islice(read_samples(self.root / name, n), i - start, None))
+                raw = next(itertools.islice(read_samples(self.location(name), n), i - start, None))
                 return {"bad_samples": [], **self.decode(raw)}
             start += n
         raise IndexError(f"sample {i} of a split of {start}")
+
+    def location(self, name: str) -> Path | str:
+        """Where shard ``name`` is read from (``shard_location``)."""
+        return shard_location(self.root, name)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -309,8 +361,7 @@ class ShardStream(IterableDataset):
 
     def _deal(self, workers: int, worker: int, skip: int) -> tuple[list[int], int, int, random.Random]:
         """This epoch's ``(shards of this worker, its quota, items of it to skip, its generator)``."""
-        order = list(range(len(self.shards)))
-        random.Random(hash((self.seed, self.epoch))).shuffle(order)
+        order = self.epoch_order()
         mine = [s for i, s in enumerate(order) if i % self.world == self.rank] or [
             order[self.rank % len(order)]
         ]
@@ -320,33 +371,82 @@ class ShardStream(IterableDataset):
 
     def _train(self, workers: int, worker: int, skip: int) -> Iterator[dict]:
         mine, quota, own_skip, rng = self._deal(workers, worker, skip)
+        unopened = self._finished_visits(list(mine), own_skip, workers, worker)
         delivered, bad = 0, []
         lost: list[str] = []  # samples lost in damaged shards, listed with the next item
-        while True:  # passes over this worker's shards; a worker that runs short starts another
-            for pick in buffer_shuffled(self._pass(mine, lost.extend), self.shuffle_buffer, rng):
-                if delivered >= quota:
-                    return
-                if delivered < own_skip:  # a resumed epoch: what was already trained, not decoded
-                    delivered += 1
-                    continue
-                with seeded(
-                    sample_seed(self.seed, self.epoch, f"{Path(pick['__url__']).name}/{pick['__key__']}")
-                ):
-                    item = self._decoded(pick)
-                if item is None:
-                    bad.append(_where(pick))
-                    continue
-                item["bad_samples"], bad = bad + lost, []
-                lost.clear()
+
+        def visit(v: int, s: int, repeat: int) -> Iterator[dict]:
+            name, n = self.shards[s]
+            if v in unopened:  # all of it was trained before the interruption: stand-ins, not read
+                yield from ({"__key__": str(j), "__url__": name} for j in range(n))
+                return
+            for raw in read_samples(self.location(name), n, lost.extend):
+                yield {**raw, "__repeat__": repeat}
+
+        for pick in self._picks(mine, rng, visit):
+            if delivered >= quota:
+                return
+            if delivered < own_skip:  # a resumed epoch: what was already trained, not decoded
                 delivered += 1
-                yield item
+                continue
+            key = f"{Path(str(pick['__url__'])).name}/{pick['__key__']}"
+            if pick.get("__repeat__"):  # a shard read again in one epoch (a mix's upsampling, cycling)
+                key += f"#{pick['__repeat__']}"
+            with seeded(sample_seed(self.seed, self.epoch, key)):
+                item = self._decoded(pick)
+            if item is None:
+                bad.append(_where(pick))
+                continue
+            item["bad_samples"], bad = bad + lost, []
+            lost.clear()
+            delivered += 1
+            yield item
+            if delivered >= quota:  # not a pick more: it could open the next shard
+                return
+
+    def _picks(
+        self, mine: list[int], rng: random.Random, visit: Callable[[int, int, int], Iterator[dict]]
+    ) -> Iterator[dict]:
+        """This worker's samples in the order it takes them: passes over its shard visits ``mine`` (a
+        worker that runs short starts another, in a new order) through the shuffling buffer.
+        ``visit(v, s, repeat)``: the samples of this worker's ``v``-th shard visit, of shard ``s``, read
+        ``repeat`` times before in this epoch."""
+        counts: dict[int, int] = {}
+
+        def visits(first: int) -> Iterator[dict]:
+            for v, s in enumerate(list(mine), first):
+                counts[s] = counts.get(s, 0) + 1
+                yield from visit(v, s, counts[s] - 1)
+
+        passes = 0
+        while True:
+            yield from buffer_shuffled(visits(passes * len(mine)), self.shuffle_buffer, rng)
+            passes += 1
             rng.shuffle(mine)
+
+    def _finished_visits(self, mine: list[int], skip: int, workers: int, worker: int) -> set[int]:
+        """The shard visits all of whose samples are among the first ``skip`` that a resumed epoch leaves
+        out, found by running the same shuffle over stand-ins sized by the shards' counts (nothing read):
+        a resume opens no shard it has finished, so the position it restarts from is (shard visit,
+        sample offset), not bytes read again — a pipe or URL cannot seek. Exact while every shard holds
+        its counted samples."""
+        if skip == 0:
+            return set()
+        rng = random.Random(hash((self.seed, self.epoch, self.rank, worker)))  # as _deal's
+
+        def stand_ins(v: int, s: int, repeat: int) -> Iterator[dict]:
+            return ({"v": v, "n": self.shards[s][1]} for _ in range(self.shards[s][1]))
+
+        taken: dict[int, list[int]] = {}
+        for pick in itertools.islice(self._picks(mine, rng, stand_ins), skip):
+            taken.setdefault(pick["v"], [0, pick["n"]])[0] += 1
+        return {v for v, (k, n) in taken.items() if k == n}
 
     def _pass(self, shards: list[int], damaged: Callable[[list[str]], None]) -> Iterator[dict]:
         """The samples of ``shards`` in turn; the samples lost in a damaged one go to ``damaged``."""
         for s in shards:
             name, n = self.shards[s]
-            yield from read_samples(self.root / name, n, damaged)
+            yield from read_samples(self.location(name), n, damaged)
 
     def _eval_samples(self, workers: int, worker: int) -> Iterator[dict | str]:
         """This rank's evaluation samples in this worker's shards, in order: raw samples, and for each
@@ -355,7 +455,7 @@ class ShardStream(IterableDataset):
         for s, (name, n) in enumerate(self.shards):
             if s % workers == worker:
                 lost: list[str] = []
-                for j, raw in enumerate(read_samples(self.root / name, n, lost.extend)):
+                for j, raw in enumerate(read_samples(self.location(name), n, lost.extend)):
                     if (start + j) % self.world == self.rank:
                         yield raw
                 for j, where in zip(range(n - len(lost), n), lost):
@@ -455,52 +555,3 @@ def text_decoder(tokenizer, seq_len: int) -> Callable[[dict], dict]:
         return {"text": ids, "text_valid": valid, "text_document": torch.zeros(seq_len, dtype=torch.long)}
 
     return decode
-
-
-def shards_data(
-    cfg,
-    task_kind: str,
-    decoders: dict[str, Callable],
-    seed: int,
-    num_classes: int | None = None,
-    packed: Callable | None = None,
-):
-    """``TaskData`` for ``data.kind: shards``: ``decoders`` maps the index's modality to ``(train decode,
-    val decode, collate)``; ``packed(root, info, split, batch_size=, seed=, shuffle_buffer=)``, when
-    given, builds the training stream instead (packed text windows, ``packed_shards``). Raises
-    ``DataError`` for a modality this task cannot read or a class count that differs from the head's."""
-
-    root = resolve_root(cfg.root)
-    info = read_index(root)
-    modality = info["modality"]
-    if modality not in decoders:
-        wanted = " or ".join(decoders)
-        raise DataError(
-            f"{root} holds {modality} shards; a {task_kind} task here reads {wanted} shards (write them "
-            f"with `mmformer data shard SRC --out DIR --modality {next(iter(decoders))}`)"
-        )
-    if num_classes is not None and len(info["classes"]) != num_classes:
-        raise DataError(
-            f"{root} has {len(info['classes'])} classes but the head has num_classes={num_classes}"
-        )
-    for split in (cfg.train_split, cfg.val_split):
-        if split not in info["splits"]:
-            raise DataError(f"{root} has no {split!r} shards (splits: {', '.join(info['splits'])})")
-    train_decode, val_decode, collate = decoders[modality]
-    val_batch = cfg.val_batch_size or cfg.batch_size
-    common = {"seed": seed, "shuffle_buffer": cfg.shuffle_buffer}
-    if packed is not None:
-        train = packed(root, info, cfg.train_split, batch_size=cfg.batch_size, **common)
-    else:
-        train = ShardStream(
-            root, info["splits"][cfg.train_split], train_decode, True, cfg.batch_size, **common
-        )
-    return TaskData(
-        train=train,
-        val=ShardStream(root, info["splits"][cfg.val_split], val_decode, False, val_batch, **common),
-        collate=collate,
-        batch_size=cfg.batch_size,
-        val_batch_size=val_batch,
-        num_workers=cfg.num_workers,
-        drop_last=True,
-    )

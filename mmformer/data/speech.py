@@ -24,6 +24,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..progress import progress
 from .roots import DataError
 
 ASTERISK_DIR = Path("/usr/share/asterisk/sounds/en")
@@ -119,7 +120,7 @@ def build_spoken_words(out: Path, n_espeak: int = 48, n_flite: int = 16, seed: i
             raise DataError(f"the {tool!r} TTS program is missing; install it with: apt-get install {pkg}")
     clips = spoken_word_clips()
     rng = random.Random(seed)
-    for word, real in clips.items():
+    for word, real in progress(clips.items(), "spoken-words: synthesizing", len(clips), unit="word"):
         train, test = out / "train" / word, out / "test" / word
         train.mkdir(parents=True), test.mkdir(parents=True)
         shutil.copyfile(real, test / f"asterisk-{real.parent.name}-{real.name}")
@@ -225,7 +226,7 @@ def _render_transcripts(
     rows (the source row with the new ``audio`` path, relative to ``out``, and ``"synthetic": true``)."""
     rng = random.Random(seed)
     synthetic = []
-    for row in rows:
+    for row in progress(rows, "synthesizing transcripts", unit="transcript"):
         folder = out / "tts" / folder_of(row)
         folder.mkdir(parents=True, exist_ok=True)
         text, stem = _prompt_tts_text(row["text"]), row["name"].replace("/", "-")

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..progress import progress
 from .datamodule import TaskData
 from .leaks import text_source
 from .roots import DataError, resolve_root
@@ -65,6 +66,9 @@ def split_documents(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray,
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
+CACHE_BATCH = 1024  # documents per encode_batch call of the token cache (one progress update each)
+
+
 class TokenCache:
     """All documents tokenized once: ``tokens`` (memory-mapped uint32) and ``offsets`` (n_docs + 1,)
     so document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``.
@@ -85,7 +89,11 @@ class TokenCache:
         self.tokens_path, self.offsets_path = cache_dir / f"{key}.tokens", cache_dir / f"{key}.offsets.npy"
         self.created = not (self.tokens_path.is_file() and self.offsets_path.is_file())
         if self.created:
-            ids = tokenizer.encode_batch(documents)
+            ids: list[list[int]] = []
+            with progress(desc="token cache: tokenizing", total=len(documents), unit="doc") as bar:
+                for a in range(0, len(documents), CACHE_BATCH):
+                    ids += tokenizer.encode_batch(documents[a : a + CACHE_BATCH])
+                    bar.update(len(documents[a : a + CACHE_BATCH]))
             offsets = np.zeros(len(ids) + 1, dtype=np.int64)
             offsets[1:] = np.cumsum([len(x) for x in ids])
             flat = np.fromiter((t for x in ids for t in x), dtype=np.uint32, count=int(offsets[-1]))

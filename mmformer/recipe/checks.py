@@ -55,6 +55,13 @@ def check_recipe(recipe) -> None:
         raise RecipeError(
             "set 'trainer.max_epochs' or 'trainer.max_steps': the LR schedule needs the run's length"
         )
+    fused = recipe.optim.name == "adamw" and recipe.optim.implementation == "fused"
+    if t.precision in ("16-mixed", "16") and fused and t.gradient_clip_val:
+        raise RecipeError(
+            f"trainer.precision={t.precision!r} scales the loss, and the fused AdamW unscales its gradients "
+            "inside its step, after clipping would have run: set optim.implementation=foreach (or "
+            "trainer.gradient_clip_val=null, or trainer.precision=bf16-mixed)"
+        )
     _check_references(recipe)
     _check_model(recipe)
     _check_multitask(recipe)
@@ -120,10 +127,6 @@ def _check_model(recipe) -> None:
     if m.lora is not None and m.backbone.kind != "pretrained":
         raise RecipeError("'model.lora' adapts pretrained weights: set model.backbone to kind: pretrained")
     if m.towers:
-        if m.lora is not None:
-            raise RecipeError(
-                "'model.lora' adapts the shared backbone only; it cannot be combined with towers yet"
-            )
         if set(m.towers) >= set(m.tokenizers):
             raise RecipeError(
                 "every tokenizer has a tower, so the shared 'model.backbone' would read nothing: give one "
@@ -181,6 +184,12 @@ def _check_distribution(recipe) -> None:
             raise RecipeError(
                 "optim.freeze_pretrained_epochs with checkpoint.sharded: true is not supported (a part frozen "
                 "since the start has no optimizer state to shard): set checkpoint.sharded=false"
+            )
+        if recipe.optim.freeze_pretrained_epochs and recipe.optim.name != "adamw":
+            raise RecipeError(
+                f"optim.freeze_pretrained_epochs with optim.name={recipe.optim.name!r} is not supported under "
+                "trainer.strategy: fsdp2 (a part frozen since the start is saved with AdamW's fresh state, "
+                "which FSDP2 loads strictly): use optim.name=adamw, or DDP"
             )
         if recipe.optim.ema_decay is not None and recipe.checkpoint.sharded:
             raise RecipeError(

@@ -28,6 +28,7 @@ from ..registry import lookup
 from .checks import check_recipe, keep_only
 from .schema import override_value, unknown_keys, unknown_keys_message
 from .sections import RecipeConfig
+from .trainer_args import flatten_extra, move_lightning_args, move_override, trainer_keys
 
 
 def load_recipe(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeConfig:
@@ -58,8 +59,11 @@ def recipe_to_yaml(recipe: RecipeConfig) -> str:
 
 
 def recipe_to_dict(recipe: RecipeConfig) -> dict:
-    """The resolved recipe as plain dicts / lists / scalars (for loggers and YAML)."""
-    return asdict(recipe)
+    """The resolved recipe as plain dicts / lists / scalars (for loggers and YAML); Lightning arguments
+    beyond the typed ones are written under ``trainer``, as a recipe spells them."""
+    data = asdict(recipe)
+    data["trainer"] = flatten_extra(data["trainer"])
+    return data
 
 
 def header_steps(path: str | Path, source: str) -> list[str]:
@@ -126,6 +130,7 @@ def _merged(raw: DictConfig, overrides) -> DictConfig:
             such as timm's ``args.yaml``, has dozens), each with its did-you-mean; else the first value
             OmegaConf refuses.
     """
+    raw = _lightning_args_moved(raw)
     unknown = unknown_keys(raw, OmegaConf.to_container(raw))
     known = _without(raw, unknown)
     try:
@@ -133,11 +138,27 @@ def _merged(raw: DictConfig, overrides) -> DictConfig:
     except RecipeError:
         if not unknown:
             raise
-        raise RecipeError(unknown_keys_message(unknown)) from None
+        raise RecipeError(unknown_keys_message(_trainer_options(unknown))) from None
     unknown = _apply_overrides(cfg, overrides, unknown)
     if unknown:
-        raise RecipeError(unknown_keys_message(unknown))
+        raise RecipeError(unknown_keys_message(_trainer_options(unknown)))
     return cfg
+
+
+def _lightning_args_moved(raw: DictConfig) -> DictConfig:
+    """``raw`` with the ``lightning.Trainer`` arguments under ``trainer`` that ``TrainerConfig`` does not
+    type moved into ``trainer.extra`` (``trainer_args.move_lightning_args``; raises ``RecipeError`` for one
+    mmformer sets itself)."""
+    if not isinstance(raw.get("trainer"), DictConfig):
+        return raw
+    data = OmegaConf.to_container(raw)
+    data["trainer"] = move_lightning_args(data["trainer"])
+    return OmegaConf.create(data)
+
+
+def _trainer_options(found: list) -> list:
+    """Unknown keys with, for those under ``trainer``, every key it takes (Lightning's too) as options."""
+    return [(path, trainer_keys() if path[:-1] == ("trainer",) else options) for path, options in found]
 
 
 def resume_setting(value: str | None) -> str | None:
@@ -161,6 +182,9 @@ def _apply_overrides(cfg: DictConfig, overrides, unknown: list) -> list:
     for item in overrides:
         key, value = _parse_override(item, cfg)
         path = _key_path(key)
+        moved, value = move_override(path, value)  # trainer.fast_dev_run → trainer.extra.fast_dev_run
+        if moved != path:
+            key, path = ".".join(moved), moved
         found = unknown_keys(cfg, _nested(path, value))
         if found:
             unknown += found

@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from ..errors import positive, probability
+from ..errors import did_you_mean, positive, probability
+from ..training.optim import SCHEDULES, check_optimizer
 
 
 @dataclass
@@ -28,9 +29,9 @@ class ResamplerConfig:
 
 @dataclass
 class LoRAConfig:
-    """``model.lora``: low-rank adapters on the (pretrained) backbone's linear layers; every part of kind
-    ``pretrained`` is frozen, the adapters and parts built new (e.g. a classifier head) train
-    (Hu et al. 2021)."""
+    """``model.lora``: low-rank adapters on the linear layers of the pretrained backbone and of pretrained
+    towers (e.g. Whisper's encoder beside its decoder); every part of kind ``pretrained`` is frozen, the
+    adapters and parts built new (e.g. a classifier head) train (Hu et al. 2021)."""
 
     rank: int = 8
     alpha: float = 16.0
@@ -58,24 +59,35 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine (or linear / constant) decay to ``min_lr``.
-    Norms, biases, position embeddings and class tokens get no weight decay."""
+    """The optimizer — ``adamw`` (torch's, fused kernel by default) or any of timm's (``sgd``, ``lion``,
+    ``lamb``, ``adafactor``, …; ``mmformer.training.optim``) — with linear warmup then cosine (or linear /
+    poly / step / constant) decay to ``min_lr``. Norms, biases, position embeddings and class tokens get
+    no weight decay, whichever the optimizer. Raises ``ValueError`` naming the key for an unknown name
+    (with a did-you-mean) or an option the optimizer does not take."""
 
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | any name timm.optim.list_optimizers() gives (sgd, lion, lamb, …)
     lr: float = 1e-3
     weight_decay: float = 0.05
+    # AdamW's; another optimizer with betas keeps its own (Lion 0.9, 0.99; Adan's three) unless these change
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    eps: Optional[float] = None  # None: the optimizer's own (AdamW 1e-8, LAMB 1e-6, …)
+    momentum: Optional[float] = None  # SGD, RMSprop, LARS, Muon, …; None: timm's 0.9
+    # more keyword arguments of the optimizer's class, checked against its signature, e.g. {nesterov: false}
+    opt_args: dict[str, Any] = field(default_factory=dict)
     warmup_steps: int = 0
-    schedule: str = "cosine"  # cosine | linear | constant
+    schedule: str = "cosine"  # cosine | linear | poly | step | constant
     min_lr: float = 0.0
+    power: float = 0.5  # poly: (1 - progress) ** power (timm's default)
+    step_size: Optional[int] = None  # step: the LR is multiplied by gamma every step_size steps
+    gamma: float = 0.1
     layer_decay: Optional[float] = None  # layer-wise LR decay: block i of L trains at lr · decay^(L - i)
     ema_decay: Optional[float] = None  # keep an EMA of the weights (validation, checkpoints, sampling use it)
     freeze_pretrained_epochs: int = 0  # the parts of kind pretrained train frozen (linear probe) this long
     # a NaN / inf loss or gradient skips the update on every rank; this many in a row stop the run
     max_nonfinite_steps: int = 5
     # AdamW's kernel (torchtitan's optimizer.implementation): fused (one kernel over all tensors, on CPU
-    # and CUDA; the default), foreach (multi-tensor), for-loop (torch's per-tensor reference)
+    # and CUDA; the default), foreach (multi-tensor), for-loop (torch's per-tensor reference); for timm's
+    # optimizers foreach / for-loop set their foreach option, fused leaves their default
     implementation: str = "fused"
 
     def __post_init__(self) -> None:
@@ -83,22 +95,31 @@ class OptimConfig:
             raise ValueError(f"implementation={self.implementation!r}; choose fused | foreach | for-loop")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
-        if self.name != "adamw":
-            raise ValueError(f"optim.name={self.name!r}; only 'adamw' is available")
-        positive(self, "max_nonfinite_steps")
+        positive(self, "max_nonfinite_steps", "step_size", "power", "gamma")
         if self.freeze_pretrained_epochs < 0:
             raise ValueError(f"freeze_pretrained_epochs must be >= 0, got {self.freeze_pretrained_epochs}")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"schedule={self.schedule!r}; choose cosine | linear | constant")
-        if len(self.betas) != 2:
-            raise ValueError(f"betas needs 2 values, got {self.betas}")
+        if self.schedule not in SCHEDULES:
+            hint = did_you_mean(self.schedule, SCHEDULES)
+            raise ValueError(f"schedule={self.schedule!r}.{hint} Choose {' | '.join(SCHEDULES)}")
+        if self.schedule == "step" and self.step_size is None:
+            raise ValueError("schedule=step needs step_size (multiply the LR by gamma every step_size steps)")
         if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
             raise ValueError(f"layer_decay must be in (0, 1], got {self.layer_decay}")
+        check_optimizer(self)  # name, betas, eps, momentum, opt_args against the optimizer's class
 
 
 @dataclass
 class TrainerConfig:
-    """Lightning ``Trainer`` arguments (the subset recipes may set)."""
+    """Lightning ``Trainer`` arguments: mmformer's own keys (``validate_first``, ``compile``,
+    ``activation_checkpointing``) and the arguments recipes set most are typed fields; every other
+    argument of ``lightning.Trainer`` (``fast_dev_run``, ``profiler``, ``overfit_batches``,
+    ``detect_anomaly``, ``benchmark``, ``min_epochs`` …) may be set under ``trainer`` too. The loader
+    moves those into ``extra`` and writes them back under ``trainer`` (``mmformer.recipe.trainer_args``).
+
+    Raises ``ValueError`` (in ``__post_init__``) for an ``extra`` key that is no ``lightning.Trainer``
+    argument (with a did-you-mean), one mmformer sets itself (with the reason), a typed field spelled as
+    an extra, or a value of the wrong type for Lightning's annotation.
+    """
 
     accelerator: str = "auto"
     devices: Any = "auto"  # int | "auto" | list of ids
@@ -118,25 +139,59 @@ class TrainerConfig:
     limit_val_batches: Optional[Any] = None
     num_sanity_val_steps: int = 2
     validate_first: bool = False  # validate once before training (a fine-tune's "before" numbers)
-    deterministic: Optional[bool] = None
+    deterministic: Any = None  # true | false | warn (Lightning: warn where no deterministic kernel exists)
     enable_progress_bar: bool = True
     compile: bool = False  # torch.compile every transformer block (models.parallelize; keys stay clean)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # the other lightning.Trainer arguments, passed through as they are (a recipe writes them under trainer)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from .trainer_args import check_extra  # imports Lightning: only when a recipe is checked
+
+        if self.deterministic not in (None, True, False, "warn"):
+            raise ValueError(f"deterministic={self.deterministic!r}; choose true | false | warn")
+        check_extra(self.extra)
 
 
 @dataclass
 class LoggerConfig:
-    """W&B: ``auto`` = online when credentials exist, offline otherwise. A CSV log is always written."""
+    """``logger``: where metrics go besides ``metrics.csv`` (always written). ``kinds`` picks the loggers
+    (``wandb``, ``tensorboard``, ``mlflow``; the last two need ``pip install 'mmformer[loggers]'``).
 
-    mode: str = "auto"  # auto | online | offline | disabled
-    project: str = "mmformer"
+    W&B: ``mode`` ``auto`` = online when credentials exist, offline otherwise; ``log_model`` uploads
+    checkpoints as W&B model artifacts: ``false``, ``last`` (``last.ckpt`` when training ends), ``best``
+    (the best checkpoint when training ends) or ``all`` (every checkpoint as it is written).
+    MLflow: ``mlflow_tracking_uri`` (default: the file store ``<runs folder>/mlruns``).
+    """
+
+    kinds: list[str] = field(default_factory=lambda: ["wandb"])  # wandb | tensorboard | mlflow
+    mode: str = "auto"  # W&B: auto | online | offline | disabled
+    project: str = "mmformer"  # the W&B project and the MLflow experiment
     entity: Optional[str] = None
     group: Optional[str] = None
     tags: list[str] = field(default_factory=list)
+    log_model: str = "false"  # W&B: false | last | best | all
+    mlflow_tracking_uri: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "online", "offline", "disabled"):
             raise ValueError(f"mode={self.mode!r}; choose auto | online | offline | disabled")
+        self.log_model = str(self.log_model).lower()  # YAML's false arrives as the string 'False'
+        if self.log_model not in LOG_MODEL:
+            hint = did_you_mean(self.log_model, LOG_MODEL)
+            raise ValueError(f"log_model={self.log_model!r}.{hint} Choose {' | '.join(LOG_MODEL)}")
+        for kind in self.kinds:
+            if kind not in LOGGER_KINDS:
+                hint = did_you_mean(kind, LOGGER_KINDS)
+                choose = ", ".join(LOGGER_KINDS)
+                raise ValueError(f"kinds has {kind!r}, not a logger.{hint} Choose from: {choose}")
+        if len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(f"kinds names a logger twice: {self.kinds}")
+
+
+LOGGER_KINDS = ("wandb", "tensorboard", "mlflow")  # besides the CSV log, which is always written
+LOG_MODEL = ("false", "last", "best", "all")
 
 
 @dataclass

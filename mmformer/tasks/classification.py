@@ -2,8 +2,11 @@
 per-class recall) on validation.
 
 Batch keys: ``image`` (or ``text`` with ``text_valid``, ``audio`` with ``audio_valid``) and ``label``
-``(B,)`` long. An audio classifier shows, after each validation, its first held-out clips with their
-true and predicted classes and the prediction's probability (a table ``audio/<task>`` of playable clips).
+``(B,)`` long. After each validation an image or audio classifier shows a grid of held-out inputs
+(spectrograms for audio) titled with their true and predicted classes, the misclassified ones first
+(``predictions/<task>``, also a PNG in the run folder); an audio classifier also shows held-out
+clips with their true and predicted classes and the prediction's probability (a table ``audio/<task>``
+of playable clips).
 """
 
 from __future__ import annotations
@@ -16,7 +19,15 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..data.audio import collate_audio
 from ..models.model import MultimodalModel
-from ..training.media import Audio, Media, MediaContext, Table
+from ..training.media import (
+    Audio,
+    Media,
+    MediaContext,
+    Table,
+    chunked_forward,
+    classification_picture,
+    spread,
+)
 from .base import TaskBase
 
 
@@ -32,6 +43,8 @@ class ClassificationTask(TaskBase):
 
     main_metric = ("acc", "max")  # what the best checkpoint monitors by default
     media_clips = 8  # held-out clips an audio classifier shows after each validation
+    media_pool = 64  # held-out inputs classified for the picture, which shows the errors among them first
+    media_shown = 16  # cells of the picture
 
     def __init__(
         self,
@@ -79,22 +92,53 @@ class ClassificationTask(TaskBase):
         self.val_metrics["balanced_acc"].update(logits, batch["label"])
 
     def media(self, ctx: MediaContext) -> list[Media]:
-        """Audio classifiers: the first ``media_clips`` held-out clips, each with its true class, the
-        predicted one and that prediction's probability (rounded to 3 decimals)."""
-        if self.input_key != "audio":
+        """Image and audio classifiers, with the validation weights: a grid (``predictions``) of
+        ``media_shown`` of ``media_pool`` held-out inputs evenly spread over the set (``media.spread``),
+        misclassified ones first, titled ``true → predicted probability``; audio classifiers also a
+        table (``audio``) of the first
+        ``media_clips`` clips, each with its true class, the predicted one and that prediction's
+        probability (rounded to 3 decimals). Text classifiers show nothing."""
+        if self.input_key not in ("image", "audio"):
             return []
         val = ctx.val
         classes = getattr(val, "classes", None) or [str(i) for i in range(self.num_classes)]
-        items = [val[i] for i in range(min(self.media_clips, len(val)))]
-        items = [it for it in items if not it.get("stand_in")]  # an unreadable clip's replacement
+        items = [val[i] for i in spread(len(val), self.media_pool)]
+        items = [it for it in items if not it.get("stand_in")]  # an unreadable input's replacement
         if not items:
             return []
-        batch = {k: v.to(ctx.device) if torch.is_tensor(v) else v for k, v in collate_audio(items).items()}
-        logits = ctx.forward(self.logits, ctx.model, batch)  # (n, K)
-        prob, pred = logits.float().softmax(-1).max(-1)
+        if self.input_key == "audio":
+            batch = collate_audio(items)
+        else:
+            batch = {
+                "image": torch.stack([it["image"] for it in items]),
+                "label": torch.tensor([it["label"] for it in items]),
+            }
+        inputs, valid = batch[self.input_key], batch.get(f"{self.input_key}_valid")
+        with ctx.validation_weights() as model:
+            logits = chunked_forward(
+                ctx, self._logits_of, model, inputs.to(ctx.device), _to(valid, ctx.device)
+            )
         rate = getattr(ctx.model.tokenizers[self.tokenizer], "sample_rate", 16_000)
-        rows = [
-            [Audio(it["audio"], rate), classes[it["label"]], classes[int(p)], round(float(q), 3)]
-            for it, p, q in zip(items, pred, prob)
+        records: list[Media] = [
+            classification_picture(
+                inputs, batch["label"], logits.cpu(), classes, self.media_shown, valid, rate
+            )
         ]
-        return [Table("audio", ["audio", "label", "prediction", "probability"], rows)]
+        if self.input_key == "audio":
+            prob, pred = logits[: self.media_clips].float().softmax(-1).max(-1)
+            rows = [
+                [Audio(it["audio"], rate), classes[it["label"]], classes[int(p)], round(float(q), 3)]
+                for it, p, q in zip(items, pred, prob)
+            ]
+            records.insert(0, Table("audio", ["audio", "label", "prediction", "probability"], rows))
+        return records
+
+    def _logits_of(self, model: MultimodalModel, inputs: Tensor, valid: Tensor | None) -> Tensor:
+        return self.logits(
+            model,
+            {self.input_key: inputs, **({f"{self.input_key}_valid": valid} if valid is not None else {})},
+        )
+
+
+def _to(x: Tensor | None, device) -> Tensor | None:
+    return x.to(device) if x is not None else None

@@ -12,6 +12,10 @@ rank), retrieval recall@1 / @5 in both directions — ``i2t`` ranks every held-o
 ``t2i`` every input for each caption — their mean ``recall@1``, and, when the data has classes with
 prompts, zero-shot classification accuracy: each class embedded as the mean of its prompts' normalised
 embeddings (CLIP §3.1.4 prompt ensembling), each input assigned its most similar class.
+
+After each validation, a few held-out captions are shown with the top-5 inputs (images, or
+spectrograms of audio) they retrieve among held-out ones spread over the set (``predictions/<task>``, also a PNG in
+the run folder).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import CatMetric, MeanMetric
 
+from ..data.audio import collate_audio
+from ..data.collate import pad_ids
 from ..models.model import MultimodalModel
+from ..training.media import Media, MediaContext, chunked_forward, retrieval_picture, spread
 from .base import TaskBase
 from .contrastive_loss import MAX_LOGIT_SCALE, clip_loss, siglip_loss
 
@@ -85,6 +92,9 @@ class ContrastiveTask(TaskBase):
     """
 
     main_metric = ("recall@1", "max")
+    media_pool = 64  # held-out inputs the picture's queries retrieve from
+    media_queries = 4  # held-out captions shown as queries (distinct texts)
+    media_top_k = 5
 
     def __init__(
         self,
@@ -201,3 +211,37 @@ class ContrastiveTask(TaskBase):
         if self.has_prompts and self.class_emb is not None:
             out.update(zero_shot_accuracy(a, self.class_emb.to(a.device), labels))
         return out
+
+    # ------------------------------------------------------------------ media
+    def media(self, ctx: MediaContext) -> list[Media]:
+        """With the validation weights: ``media_pool`` held-out pairs evenly spread over the set
+        (``media.spread``); the first ``media_queries`` distinct captions among them, each with the
+        ``media_top_k`` inputs most similar to it among the pool's inputs (its
+        own pair, and inputs with an equal caption, framed as matches)."""
+        val = ctx.val
+        items = [val[i] for i in spread(len(val), self.media_pool)]
+        items = [it for it in items if not it.get("stand_in")]  # an unreadable input's replacement
+        if len(items) < 2 or self.input_key not in ("image", "audio"):
+            return []
+        if self.input_key == "audio":
+            batch = collate_audio(items)
+            inputs, valid = batch["audio"], batch["audio_valid"]
+        else:
+            inputs, valid = torch.stack([it["image"] for it in items]), None
+        ids, ids_valid = pad_ids([it["ids"] for it in items], pad_id=0)  # (N, L); padding is masked
+        same = torch.tensor([it.get("caption_id", i) for i, it in enumerate(items)])  # (N,)
+        first = {int(c): i for i, c in reversed(list(enumerate(same)))}  # caption id → its first item
+        queries = sorted(first.values())[: self.media_queries]
+        dev = ctx.device
+        with ctx.validation_weights() as model:
+            a = chunked_forward(
+                ctx, self.embed_inputs, model, inputs.to(dev), valid.to(dev) if valid is not None else None
+            )  # (N, E)
+            b = chunked_forward(
+                ctx, self.embed_captions, model, ids[queries].to(dev), ids_valid[queries].to(dev)
+            )
+        sim = b.float().cpu() @ a.float().cpu().T  # (Q, N)
+        match = same[queries].unsqueeze(1) == same.unsqueeze(0)  # (Q, N)
+        rate = getattr(ctx.model.tokenizers[self.tokenizer], "sample_rate", 16_000)
+        texts = [items[i]["caption"] for i in queries]
+        return [retrieval_picture(texts, inputs, sim, match, self.media_top_k, valid, rate)]

@@ -189,9 +189,11 @@ class DiffusionTask(TaskBase):
         eta: float = 0.0,
         generator: torch.Generator | None = None,
         captions: tuple[Tensor, Tensor] | None = None,
+        bar: bool = False,
     ) -> Tensor:
         """Images ``(B, C, H, W)`` float, clamped to [-1, 1]: one per label (class-conditional), per
-        caption (``captions = (ids (B, L), valid (B, L))``, text-conditional), or ``n`` unconditional.
+        caption (``captions = (ids (B, L), valid (B, L))``, text-conditional), or ``n`` unconditional;
+        ``bar``: a progress bar over the sampler's steps (``mmformer.progress``).
 
         ``sampler``: ``ddim`` (default) or ``ddpm`` (all T steps) for Gaussian diffusion, ``euler``
         (default) or ``heun`` for rectified flow. ``cfg_scale`` != 1 applies classifier-free guidance
@@ -237,12 +239,21 @@ class DiffusionTask(TaskBase):
                 fn = lambda x, t: self.denoise(model, x, t)  # noqa: E731
             if self.kind == "flow":
                 run = self.process.euler_sample if sampler == "euler" else self.process.heun_sample
-                images = run(fn, shape, steps=steps, generator=generator, device=device)
+                images = run(fn, shape, steps=steps, generator=generator, device=device, bar=bar)
             elif sampler == "ddpm":  # ancestral: all T steps, `steps` does not apply
-                images = ddpm_sample(self.process, fn, shape, generator=generator, device=device)
+                images = ddpm_sample(
+                    self.process, fn, shape, generator=generator, device=device, progress=bar
+                )
             else:
                 images = ddim_sample(
-                    self.process, fn, shape, steps=steps, eta=eta, generator=generator, device=device
+                    self.process,
+                    fn,
+                    shape,
+                    steps=steps,
+                    eta=eta,
+                    generator=generator,
+                    device=device,
+                    progress=bar,
                 )
             return images.clamp(-1, 1)
         finally:

@@ -11,7 +11,9 @@ the token after ``bos`` onwards, ``eos`` included). Validation: the same loss an
 scored against the references after ``normalize_text``: word error rate ``wer`` and character error
 rate ``cer`` (``torchmetrics.text``, edit operations summed over the whole set, then divided by the
 reference length) and ``exact_match`` (fraction of items decoded exactly). After each validation the
-first batch's references and decoded texts are shown as a table ``decoded/<task>``.
+first batch's references and decoded texts are shown as a table ``decoded/<task>``, and beside their
+inputs (images, or spectrograms of audio) as a picture ``predictions/<task>`` (also a PNG in the run
+folder).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torchmetrics.text import CharErrorRate, WordErrorRate
 from ..models.encoder_decoder import EncoderDecoder
 from ..models.model import MultimodalModel
 from ..models.prefix_lm import PrefixLM
-from ..training.media import Media, MediaContext, Table
+from ..training.media import Media, MediaContext, Table, captions_picture, input_cells
 from .base import TaskBase
 from .language_model import IGNORE, Perplexity
 
@@ -43,9 +45,13 @@ def normalize_text(text: str) -> str:
     return _NOT_WORD.sub(" ", text).strip()
 
 
-def caption_targets(ids: Tensor, valid: Tensor) -> Tensor:
-    """``(B, L - 1)``: the token each text position predicts (``ids[:, 1:]``), ``IGNORE`` after the end."""
-    return ids[:, 1:].masked_fill(~(valid[:, 1:] & valid[:, :-1]), IGNORE)
+def caption_targets(ids: Tensor, valid: Tensor, prompt_len: int = 1) -> Tensor:
+    """``(B, L - 1)``: the token each text position predicts (``ids[:, 1:]``), ``IGNORE`` after the end
+    and inside a prompt of ``prompt_len`` tokens (Whisper's ``<|startoftranscript|> <|notimestamps|>``:
+    only the text after it is a target)."""
+    targets = ids[:, 1:].masked_fill(~(valid[:, 1:] & valid[:, :-1]), IGNORE)
+    targets[:, : prompt_len - 1] = IGNORE
+    return targets
 
 
 class PrefixLMTask(TaskBase):
@@ -73,6 +79,7 @@ class PrefixLMTask(TaskBase):
         self.parts, self.input_key, self.text = parts, input_key, text
         self.max_new_tokens, self.beam_size, self.length_penalty = max_new_tokens, beam_size, length_penalty
         self.main_metric = main_metric
+        self.prompt_len = 1  # tokens a caption starts with (bos; Seq2SeqTask: a prompt): targets follow them
         self.val_metrics = nn.ModuleDict(
             {
                 "loss": MeanMetric(),
@@ -82,16 +89,17 @@ class PrefixLMTask(TaskBase):
                 "exact_match": MeanMetric(),
             }
         )
-        self.examples: list[
-            tuple[str, str]
-        ] = []  # (reference, hypothesis) of the last validation's first batch
+        # (reference, hypothesis) of the last validation's first batch, and its inputs (with their mask)
+        self.examples: list[tuple[str, str]] = []
+        self.example_inputs: tuple[Tensor, Tensor | None] | None = None
 
     def batch_size(self, batch: dict) -> int:
         return batch["caption"].shape[0]
 
     def loss_units(self, batch: dict) -> int:
         """Caption target tokens in ``batch`` (what the training loss averages over)."""
-        return int((caption_targets(batch["caption"], batch["caption_valid"]) != IGNORE).sum())
+        targets = caption_targets(batch["caption"], batch["caption_valid"], self.prompt_len)
+        return int((targets != IGNORE).sum())
 
     def _losses(self, model: MultimodalModel, batch: dict) -> tuple[Tensor, Tensor]:
         logits = self.parts.logits(
@@ -101,7 +109,7 @@ class PrefixLMTask(TaskBase):
             batch["caption_valid"],
             batch.get(f"{self.input_key}_valid"),
         )[:, :-1]
-        targets = caption_targets(batch["caption"], batch["caption_valid"])
+        targets = caption_targets(batch["caption"], batch["caption_valid"], self.prompt_len)
         return logits.float().flatten(0, 1), targets.flatten()
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
@@ -147,12 +155,29 @@ class PrefixLMTask(TaskBase):
         )
         if not self.examples:
             self.examples = list(zip(refs, hyps))[:8]
+            valid = batch.get(f"{self.input_key}_valid")
+            n = len(self.examples)
+            self.example_inputs = (
+                batch[self.input_key][:n].detach().cpu(),
+                valid[:n].detach().cpu() if valid is not None else None,
+            )
 
     def on_validation_epoch_start(self, model: MultimodalModel) -> None:
-        self.examples = []
+        self.examples, self.example_inputs = [], None
 
     def media(self, ctx: MediaContext) -> list[Media]:
-        """The (reference, decoded) texts of the last validation's first batch, normalised; runs no model."""
+        """The (reference, decoded) texts of the last validation's first batch, normalised, as a table and,
+        when its inputs were kept, beside them as a picture; runs no model."""
         if not self.examples:
             return []
-        return [Table("decoded", ["reference", "decoded"], [list(r) for r in self.examples])]
+        rows = [list(r) for r in self.examples]
+        if self.example_inputs is None or self.example_inputs[0].dim() not in (2, 4):  # not waves or images
+            return [Table("decoded", ["reference", "decoded"], rows)]
+        inputs, valid = self.example_inputs
+        rate = 16_000
+        if inputs.dim() == 2:
+            rate = getattr(ctx.model.tokenizers[self.parts.tokenizer], "sample_rate", rate)
+        cells = input_cells(inputs, valid, rate)  # the clip or image, beside its texts
+        table = Table("decoded", ["input", "reference", "decoded"], [[c, *r] for c, r in zip(cells, rows)])
+        refs, hyps = [r for r, _ in self.examples], [h for _, h in self.examples]
+        return [table, captions_picture(inputs, refs, hyps, valid, rate)]

@@ -368,6 +368,10 @@ class MultiTaskModule(L.LightningModule):
                     "lr": self.optim_cfg.lr,
                 }
             )
+        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+            # A fused optimizer says it unscales gradients itself (for a GradScaler), so Lightning's mixed
+            # precision refuses to clip its gradients; without a scaler (bf16, fp32) nothing is scaled.
+            optimizer._step_supports_amp_scaling = False
         total = self.trainer.estimated_stepping_batches
         if total == float("inf"):
             raise ValueError("the run has no finite length: set trainer.max_epochs or trainer.max_steps")

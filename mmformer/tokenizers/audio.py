@@ -375,7 +375,9 @@ class WhisperConvTokenizer(nn.Module):
 
     Args: ``d_model``, ``n_mels`` (80 for Whisper v1/v2), ``n_ctx`` (positions: 1500 = 30 s).
     ``forward(wave (B, S) float at 16 kHz, valid (B, S) bool | None) → Tokens`` (positions ``(B, N, 1)``).
-    Raises ``ValueError`` beyond ``n_ctx`` tokens.
+    ``pad_to`` (samples, default None): every clip is zeroed past its end and padded (or cut) to this
+    length, all of it read as signal — Whisper's ``pad_or_trim`` to 30 s, the input its weights were
+    trained on. Raises ``ValueError`` beyond ``n_ctx`` tokens.
     """
 
     modality = "audio"
@@ -390,11 +392,15 @@ class WhisperConvTokenizer(nn.Module):
         self.conv1 = nn.Conv1d(n_mels, d_model, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
         self.register_buffer("pos_embed", whisper_sinusoids(n_ctx, d_model))
+        self.pad_to: int | None = None
 
     def example_input(self, batch_size: int = 1) -> Tensor:
         return torch.zeros(batch_size, 30 * self.sample_rate)
 
     def forward(self, wave: Tensor, valid: Tensor | None = None) -> Tokens:
+        if self.pad_to is not None:  # Whisper's pad_or_trim: a fixed window of zeros after the clip
+            wave = wave if valid is None else wave * valid
+            wave, valid = F.pad(wave[:, : self.pad_to], (0, max(0, self.pad_to - wave.shape[1]))), None
         mel, frame_valid = self.mel(wave, valid)  # (B, F, T)
         mel = self.spec_augment(mel) * frame_valid[:, None, :]  # frames past the clip read as zeros
         x = F.gelu(self.conv1(mel.to(self.conv1.weight.dtype))) * frame_valid[:, None, :]

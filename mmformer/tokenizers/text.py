@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..nn.masks import require_bool
 from ..nn.tokens import MODALITY_IDS, Tokens
+from ..progress import shows
 
 SPECIAL_TOKENS = {
     "bos": "<|bos|>",
@@ -44,16 +45,25 @@ class TextTokenizer:
     (``mmformer.models.pretrained`` builds them from GGUF vocabularies and HF directories).
     Attributes ``bos_id``, ``eos_id``, ``pad_id``, ``image_id``, ``audio_id``, ``vocab_size`` and
     ``chat_template`` (the Jinja template an instruct model carries, or None); ``mask_id`` (None unless
-    the vocabulary has a mask token: trained with ``mask=True``, or BERT's ``[MASK]``).
+    the vocabulary has a mask token: trained with ``mask=True``, or BERT's ``[MASK]``); ``prompt`` /
+    ``start_ids``: the tokens ``encode(bos=True)`` starts a text with (``[bos_id]`` unless a ``prompt``
+    of special tokens is given: Whisper's).
     """
 
     def __init__(
-        self, tokenizer, special: dict[str, str | None] | None = None, chat_template: str | None = None
+        self,
+        tokenizer,
+        special: dict[str, str | None] | None = None,
+        chat_template: str | None = None,
+        prompt: list[str] | None = None,
     ):
         from tokenizers import AddedToken
 
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        # the special tokens a text starts with when encoded with ``bos=True`` (default: ``bos`` alone);
+        # Whisper's ``<|startoftranscript|> <|notimestamps|>``
+        self.prompt = list(prompt) if prompt else None
         tokenizer.no_padding()  # mmformer pads itself (a BERT tokenizer.json may pad every text to 128)
         tokenizer.no_truncation()
         # ``None`` marks a special a pretrained vocabulary lacks: it is not invented (its id would have
@@ -67,6 +77,11 @@ class TextTokenizer:
         self.mask_id = None
         for name, token in self.special.items():
             setattr(self, f"{name}_id", tokenizer.token_to_id(token) if token is not None else None)
+        self.start_ids = [self.bos_id]  # what ``bos=True`` puts first
+        if self.prompt:
+            self.start_ids = [tokenizer.token_to_id(t) for t in self.prompt]
+            if None in self.start_ids:
+                raise ValueError(f"prompt {self.prompt} has tokens the vocabulary lacks")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -94,7 +109,7 @@ class TextTokenizer:
             min_frequency=min_frequency,
             special_tokens=list(SPECIAL_TOKENS.values()) + ([MASK_TOKEN] if mask else []),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+            show_progress=shows(),  # HF's own bars (reading, merges); they stay off when not a terminal
         )
         tok.train_from_iterator(_as_iterator(texts), trainer=trainer)
         return cls(tok, {"mask": MASK_TOKEN} if mask else None)
@@ -125,6 +140,7 @@ class TextTokenizer:
                 "tokenizer": self.tokenizer.to_str(),
                 "special": self.special,
                 "chat_template": self.chat_template,
+                "prompt": self.prompt,
             }
         )
 
@@ -138,7 +154,10 @@ class TextTokenizer:
         data = json.loads(text)
         if "tokenizer" in data and "model" not in data:
             return cls(
-                Tokenizer.from_str(data["tokenizer"]), special or data["special"], data["chat_template"]
+                Tokenizer.from_str(data["tokenizer"]),
+                special or data["special"],
+                data["chat_template"],
+                data.get("prompt"),
             )
         return cls(Tokenizer.from_str(text), special)
 
@@ -174,16 +193,17 @@ class TextTokenizer:
                 raise ValueError(f"this tokenizer has no {name} token")
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        """``text`` → ids; special-token strings inside ``text`` become their single ids. Raises
-        ``ValueError`` when ``bos`` / ``eos`` is asked of a vocabulary without one."""
+        """``text`` → ids; special-token strings inside ``text`` become their single ids; ``bos`` puts
+        ``start_ids`` (``bos``, or the ``prompt``) first. Raises ``ValueError`` when ``bos`` / ``eos`` is
+        asked of a vocabulary without one."""
         self._check(bos, eos)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+        return (self.start_ids if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def encode_batch(self, texts: list[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
         self._check(bos, eos)
         out = self.tokenizer.encode_batch(texts, add_special_tokens=False)
-        return [([self.bos_id] if bos else []) + e.ids + ([self.eos_id] if eos else []) for e in out]
+        return [(self.start_ids if bos else []) + e.ids + ([self.eos_id] if eos else []) for e in out]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """ids → text; with ``skip_special`` the bos / eos / pad / placeholder tokens are dropped."""

@@ -13,6 +13,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.loggers import WandbLogger
+from torchvision.transforms.functional import to_pil_image
 from torchvision.utils import save_image
 
 from ..models.flops import FlopMeter
@@ -336,15 +337,23 @@ class MediaSamples(L.Callback):
                 continue
             if isinstance(record, Image):
                 extra = {"caption": [record.caption]} if record.caption else {}  # W&B: a list or nothing
-                lg.log_image(key=key, images=[record.image], step=step, **extra)
+                lg.log_image(key=key, images=[_pil(record.image)], step=step, **extra)
             else:
                 rows = [[_wandb_cell(c) for c in row] for row in record.rows]
                 lg.log_table(key, columns=record.columns, data=rows, step=step)
 
 
 def _wandb_cell(cell):
-    if isinstance(cell, Audio):
-        import wandb  # ~1 s to import: only when a W&B run logs a clip
+    """A table cell as W&B shows it: a clip plays, an image shows (with its caption), text stays text."""
+    if isinstance(cell, (Audio, Image)):
+        import wandb  # ~1 s to import: only when a W&B run logs a clip or a picture
 
-        return wandb.Audio(cell.wave.cpu().numpy(), sample_rate=cell.sample_rate)
+        if isinstance(cell, Audio):
+            return wandb.Audio(cell.wave.float().cpu().numpy(), sample_rate=cell.sample_rate)
+        return wandb.Image(_pil(cell.image), caption=cell.caption)
     return cell
+
+
+def _pil(image):
+    """``(C, H, W)`` float in [0, 1] as a PIL image: ``wandb.Image`` reads a tensor as values in [0, 255]."""
+    return to_pil_image(image.detach().float().clamp(0, 1).cpu())

@@ -97,7 +97,7 @@ def held_row(trainer) -> dict[str, float] | None:
 def flush(logger) -> None:
     """Write what ``logger`` holds to its files: the CSV rows; for W&B, wait until its writer received
     every record, then one flush interval of its transaction log (``x_transaction_log_flush_interval``,
-    set short by ``loggers.build_loggers``)."""
+    set short by ``loggers.build_loggers``); other loggers' ``save``."""
     if isinstance(logger, CSVLogger):
         logger.save()
     elif isinstance(logger, WandbLogger) and logger._experiment is not None:
@@ -107,6 +107,8 @@ def flush(logger) -> None:
             return
         interface.deliver_poll_exit().wait_or(timeout=30)  # answered after the writer saw every record
         time.sleep(1.5 * float(run.settings.x_transaction_log_flush_interval or 0.0))
+    else:  # TensorBoard's event writer; MLflow logs synchronously (nothing held)
+        logger.save()
 
 
 def cut_csv(path: Path, last_step: int) -> None:

@@ -196,6 +196,8 @@ def read_run_json(run_dir: Path) -> dict:
 
 
 def git_commit() -> str | None:
+    """The commit of the folder the run was started from (the user's project), None outside a git
+    checkout; mmformer's own commit is :func:`mmformer_source`'s."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True, timeout=5
@@ -203,6 +205,36 @@ def git_commit() -> str | None:
         return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def mmformer_source() -> dict:
+    """The mmformer that runs: ``mmformer_version`` (the installed distribution's, else
+    ``mmformer.__version__``), ``mmformer_commit`` (the commit of the git checkout the package is imported
+    from; None for an installed wheel, or a package folder that checkout does not track) and
+    ``mmformer_dirty`` (that checkout has changes, untracked files included; None without a commit)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    try:
+        found = version("mmformer")
+    except PackageNotFoundError:
+        found = __version__
+    package = Path(__file__).resolve().parents[1]
+    commit = _git(package, "rev-parse", "--verify", "-q", "HEAD")
+    if commit and not _git(package, "ls-files", "--", "__init__.py"):  # a wheel inside someone's checkout
+        commit = None
+    dirty = None if commit is None else bool(_git(package, "status", "--porcelain"))
+    return {"mmformer_version": found, "mmformer_commit": commit, "mmformer_dirty": dirty}
+
+
+def _git(folder: Path, *args: str) -> str | None:
+    """``git -C folder args…``'s output, stripped; None when git fails or is missing."""
+    try:
+        out = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def recipe_changes(old_yaml: str, new_yaml: str) -> list[str]:
@@ -264,18 +296,21 @@ class RunFolder(L.Callback):
             n = len(info.get("resumes", [])) + 1
             _write_file(self.run.dir / f"recipe.resume-{n}.yaml", self.recipe_yaml)
         now = dt.datetime.now().isoformat(timespec="seconds")
+        source = mmformer_source()
         if not info:
             info = {
                 "run_id": self.run.run_id,
                 "wandb_id": self.run.wandb_id,
                 "recipe": self.run.name,
                 "git_commit": git_commit(),
+                **source,
                 "start_time": now,
                 "world_size": trainer.world_size,
                 "resumes": [],
             }
         if self.run.resume_from is not None:
-            info.setdefault("resumes", []).append({"time": now, "from": str(self.run.resume_from)})
+            resume = {"time": now, "from": str(self.run.resume_from), **source}
+            info.setdefault("resumes", []).append(resume)
         _write_file(self.run.dir / "run.json", json.dumps(info, indent=2) + "\n")
 
 

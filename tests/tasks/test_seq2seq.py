@@ -103,7 +103,7 @@ DECODER = "{d_model: 32, n_layers: 1, n_heads: 2, block: cross, causal: true}"
         (TOWER, "{d_model: 32, n_layers: 1, n_heads: 2, causal: true}", "block: cross and causal: true"),
         (TOWER, "{d_model: 32, n_layers: 1, n_heads: 2, block: cross}", "block: cross and causal: true"),
         ("{audio: {d_model: 16, n_layers: 1, n_heads: 2}}", DECODER, "set model.backbone.d_context: 16"),
-        (TOWER, "{kind: pretrained, source: smollm2-135m-instruct}", "no pretrained backbone has them"),
+        (TOWER, "{kind: pretrained, source: smollm2-135m-instruct}", "set model.backbone.part: decoder"),
     ],
 )
 def test_recipe_mistakes_name_the_key(towers, backbone, message):

@@ -45,7 +45,9 @@ def test_media_share_the_step_of_the_validation_they_show(workdir):
     tables = [r["trainer/global_step"] for r in rows if "audio/toy/_type" in r]  # a table of clips
     assert val == [1] and tables == val  # 2 optimizer steps: Lightning logs the validation at step 1
     assert [int(r["step"]) for r in csv_rows(run) if "val/toy/acc" in r] == val
-    assert sorted(p.name for p in run.glob("**/*.png")) == []  # audio shows clips, not pictures
+    pictures = [r["trainer/global_step"] for r in rows if "predictions/toy/_type" in r]  # spectrograms
+    assert pictures == val
+    assert sorted(p.name for p in run.glob("predictions/*.png")) == [f"toy-step{val[0]:06d}.png"]
 
 
 def test_a_task_appears_only_on_the_steps_that_trained_it(workdir):

@@ -104,3 +104,25 @@ def test_prefix_lm_shows_its_decoded_examples():
     task.examples = [("a b", "a c")]
     (table,) = task.media(MediaContext("asr", None, None))
     assert (table.name, table.columns, table.rows) == ("decoded", ["reference", "decoded"], [["a b", "a c"]])
+
+
+def test_prefix_lm_puts_each_clip_beside_its_texts():
+    from types import SimpleNamespace
+
+    from mmformer.models.prefix_lm import PrefixLM
+    from mmformer.tasks.prefix_lm import PrefixLMTask
+    from mmformer.training.media import Audio
+
+    task = PrefixLMTask(PrefixLM("audio", "text", "lm"), "audio", text=None, max_new_tokens=3)
+    task.examples = [("a b", "a c"), ("d", "d")]
+    waves = torch.randn(2, 800)
+    valid = torch.arange(800)[None] < torch.tensor([[800], [300]])  # the second clip is 300 samples long
+    task.example_inputs = (waves, valid)
+    module = SimpleNamespace(model=SimpleNamespace(tokenizers={"audio": SimpleNamespace(sample_rate=8000)}))
+    table, picture = task.media(MediaContext("asr", None, module))
+    assert table.columns == ["input", "reference", "decoded"]
+    assert [r[1:] for r in table.rows] == [["a b", "a c"], ["d", "d"]]
+    clips = [r[0] for r in table.rows]
+    assert all(isinstance(c, Audio) and c.sample_rate == 8000 for c in clips)
+    assert torch.equal(clips[0].wave, waves[0]) and torch.equal(clips[1].wave, waves[1, :300])
+    assert picture.name == "predictions" and picture.image.dim() == 3

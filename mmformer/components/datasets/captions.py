@@ -54,6 +54,7 @@ class AudioCaptionDataConfig(LoaderConfig):
     val_split: str = "test"
     text_key: str = "text"
     max_len: int = 48  # transcript tokens, BOS/EOS included; longer ones are cut
+    synthetic: bool = True  # false: leave out the rows marked "synthetic": true (train on real clips only)
 
     def __post_init__(self) -> None:
         super().__post_init__()

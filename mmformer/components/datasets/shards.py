@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +19,8 @@ from ...data.image import image_preprocess
 from ...data.image_caption import collate_captions, read_class_prompts
 from ...data.packed_shards import collate_text, packed_text_stream
 from ...data.roots import resolve_root
-from ...data.shards import audio_decoder, image_decoder, shards_data, text_decoder
+from ...data.shard_sources import shards_data, split_parts
+from ...data.shards import audio_decoder, image_decoder, text_decoder
 from ...errors import RecipeError, positive
 from ...registry import kinds, lookup, register
 from ...tokenizers.image import ImagePreprocess
@@ -29,16 +31,24 @@ from .base import task_of
 
 @dataclass
 class ShardsDataConfig:
-    """``tasks.<name>.data`` of kind ``shards``: WebDataset tar shards written by ``mmformer data shard``,
-    read per rank and per data-loader worker through a shuffling buffer (``mmformer.data.shards``):
+    """``tasks.<name>.data`` of kind ``shards``: WebDataset tar shards — written by ``mmformer data shard``
+    (with ``index.json``) or by anyone else (counted once, ``mmformer.data.shard_sources``) — read per
+    rank and per data-loader worker through a shuffling buffer (``mmformer.data.shards``):
     images or audio with class labels (classification); documents (causal_lm, masked_lm: one padded
     document per sample, or with ``pack`` full windows as ``data.kind: text``, ``packed_shards``);
     image–caption or audio–transcript pairs (contrastive, prefix_lm, seq2seq: the items and batches of
     ``data.kind: image_caption`` / ``audio_caption``, ``caption_shards``; the caption tokenizer needs a
-    ``path``). ``val_split`` is the split's name in the index: ``test`` for shards of ``asterisk-speech``."""
+    ``path``). ``val_split`` is the split's name in the index: ``test`` for shards of ``asterisk-speech``.
+
+    ``root`` / ``val_root``: a shard folder, a bundled name, shard paths or URLs (``pipe:``, ``file:``,
+    ``http(s):``) with braces ``{000000..000009}`` and globs, several joined by ``::`` (OpenCLIP's
+    ``--train-data``); ``upsampling_factors``: one per ``::`` source, mixes them (OpenCLIP's
+    ``--train-data-upsampling-factors``; see ``mmformer.data.shard_sources``)."""
 
     kind: str = "shards"
     root: str = MISSING
+    val_root: Optional[str] = None  # evaluation shards, when root holds training shards only (--val-data)
+    upsampling_factors: Optional[list[float]] = None  # one per '::' source of root
     train_split: str = "train"
     val_split: str = "val"
     batch_size: int = 64
@@ -55,6 +65,15 @@ class ShardsDataConfig:
 
     def __post_init__(self) -> None:
         positive(self, "batch_size", "val_batch_size", "shuffle_buffer", "seq_len", "max_len")
+        if self.upsampling_factors is not None and self.root is not MISSING and self.root != "???":
+            n = len(split_parts(self.root))
+            if len(self.upsampling_factors) != n:
+                raise ValueError(
+                    f"upsampling_factors has {len(self.upsampling_factors)} values for {n} '::' source(s) "
+                    f"of root {self.root!r}"
+                )
+            if any(f < 0 for f in self.upsampling_factors) or not any(self.upsampling_factors):
+                raise ValueError(f"upsampling_factors must be >= 0, not all 0: {self.upsampling_factors}")
         if self.num_workers < 0 or self.crop_padding < 0:
             raise ValueError("num_workers and crop_padding must be >= 0")
 
@@ -84,6 +103,16 @@ class ShardsDataConfig:
 
 @register("dataset", "shards", ShardsDataConfig)
 def build_shards(cfg: ShardsDataConfig, task, ctx: BuildContext):
+    decoders, packed = shard_decoders(cfg, task, ctx)
+    num_classes = ctx.num_classes(task) if task.shards == "labelled" else None
+    return shards_data(cfg, task.kind, decoders, ctx.recipe.seed, num_classes, packed)
+
+
+def shard_decoders(cfg, task, ctx: BuildContext) -> tuple[dict, Callable | None]:
+    """``({what the samples hold: (train decode, val decode, collate)}, packed)`` for this task's
+    tokenizer: the WebDataset-sample decoders (``image`` / ``audio`` with ``cls``, ``text``,
+    ``image_caption`` / ``audio_caption``), shared by every data kind that yields such samples
+    (``shards``, ``hf_dataset``); ``packed`` builds packed text windows (``cfg.pack``), else None."""
     tok = ctx.recipe.model.tokenizers[task.tokenizer]
     modality = ctx.tokenizer_modality(tok)
     packed = None
@@ -102,9 +131,8 @@ def build_shards(cfg: ShardsDataConfig, task, ctx: BuildContext):
     elif task.shards == "captions":
         decoders = _caption_decoders(cfg, task, ctx)
     else:
-        raise RecipeError(f"data.kind: shards: a {task.kind} task does not read {modality} shards")
-    num_classes = ctx.num_classes(task) if task.shards == "labelled" else None
-    return shards_data(cfg, task.kind, decoders, ctx.recipe.seed, num_classes, packed)
+        raise RecipeError(f"data.kind: {cfg.kind}: a {task.kind} task does not read {modality} samples")
+    return decoders, packed
 
 
 def _caption_decoders(cfg: ShardsDataConfig, task, ctx: BuildContext) -> dict:

@@ -67,10 +67,13 @@ class Seq2SeqTaskConfig(CaptionedTaskParts):
             )
         b = m.backbone
         if b.kind == "pretrained":
-            raise RecipeError(
-                "a seq2seq task's decoder is the shared backbone with cross-attention blocks; no pretrained "
-                "backbone has them yet: use model.backbone: {block: cross, causal: true, …}"
-            )
+            if getattr(b, "part", None) != "decoder":
+                raise RecipeError(
+                    "a seq2seq task's decoder is the shared backbone with cross-attention blocks: a pretrained "
+                    f"one is an encoder–decoder's decoder — set model.backbone.part: decoder ({b.source} must be "
+                    "one, e.g. whisper-tiny.en), or use model.backbone: {block: cross, causal: true, …}"
+                )
+            return
         if b.block != "cross" or not b.causal:
             raise RecipeError(
                 "a seq2seq task's decoder is the shared backbone: set model.backbone.block: cross and causal: true"
@@ -86,6 +89,18 @@ class Seq2SeqTaskConfig(CaptionedTaskParts):
 
 @register("task", "seq2seq", Seq2SeqTaskConfig)
 def build_seq2seq(cfg: Seq2SeqTaskConfig, ctx: BuildContext) -> Seq2SeqTask:
-    modality = ctx.tokenizer_modality(ctx.recipe.model.tokenizers[cfg.tokenizer])
+    """The target text starts with its tokenizer's ``start_ids`` (``bos``, or Whisper's prompt); a
+    pretrained decoder's text keeps its source's decoding rules (Whisper's ``suppress_ids`` every step,
+    ``suppress_ids_begin`` at the first)."""
+    m = ctx.recipe.model
+    modality = ctx.tokenizer_modality(m.tokenizers[cfg.tokenizer])
     model = EncoderDecoder(cfg.tokenizer, cfg.caption_tokenizer, cfg.caption_head)
-    return Seq2SeqTask(model, modality, *decoding_args(cfg, ctx, modality))
+    text = m.tokenizers[cfg.caption_tokenizer]
+    rules = {}
+    if text.kind == "pretrained":
+        config = ctx.source_config(text.source)
+        rules = {
+            "suppress": config.get("suppress_ids", ()),
+            "suppress_begin": config.get("suppress_ids_begin", ()),
+        }
+    return Seq2SeqTask(model, modality, *decoding_args(cfg, ctx, modality), **rules)

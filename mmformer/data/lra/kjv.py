@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...progress import progress
 from ..roots import DataError, resolve_root
 from ..sequence_format import write_meta, write_split
 
@@ -126,7 +127,7 @@ def build_kjv_books(out: Path, per_class: dict[str, int] | None = None, seed: in
     rng = np.random.default_rng([seed, 1])
     for split in SPLITS:
         seqs, labels, rows = [], [], []
-        for label, book in enumerate(BOOKS):
+        for label, book in enumerate(progress(BOOKS, f"kjv-books: {split} passages", unit="book")):
             for _ in range(per_class[split]):
                 text, _ = passage(runs[book][split], 2048, 4096, rng)
                 seqs.append(np.frombuffer(text, dtype=np.uint8))
@@ -163,7 +164,8 @@ def build_kjv_pairs(out: Path, pairs: dict[str, int] | None = None, seed: int = 
     rng = np.random.default_rng([seed, 2])
     for split in SPLITS:
         seqs, labels, books = [], [], []
-        for label in rng.permutation(np.arange(pairs[split]) % 2):
+        drawn = rng.permutation(np.arange(pairs[split]) % 2)
+        for label in progress(drawn, f"kjv-pairs: {split}", unit="pair"):
             a, b = (int(i) for i in rng.choice(len(BOOKS), size=2, replace=False))
             if label == 1:
                 b = a

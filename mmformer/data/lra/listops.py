@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...progress import progress
 from ..sequence_format import write_meta, write_split
 
 DIGITS = [str(d) for d in range(10)]
@@ -60,14 +61,16 @@ def generate(n: int, seed: int) -> list[bytes]:
     """``n`` distinct expressions (token ids, one byte each), in the order drawn from ``random.Random(seed)``."""
     rng = random.Random(seed)
     kept: dict[bytes, None] = {}
-    while len(kept) < n:
-        out: list[int] = []
-        try:
-            _grow(rng, 1, out)
-        except _TooLong:
-            continue
-        if len(out) > MIN_LENGTH:
-            kept.setdefault(bytes(out))
+    with progress(desc="listops: drawing expressions", total=n, unit="expr") as bar:
+        while len(kept) < n:
+            out: list[int] = []
+            try:
+                _grow(rng, 1, out)
+            except _TooLong:
+                continue
+            if len(out) > MIN_LENGTH and bytes(out) not in kept:
+                kept[bytes(out)] = None
+                bar.update()
     return list(kept)
 
 

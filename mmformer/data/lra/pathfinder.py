@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...progress import progress
 from ..sequence_format import write_meta, write_split
 
 IMAGE_SIZE = 32  # pixels per side (LRA pathfinder32)
@@ -249,19 +250,25 @@ def sample(rng: np.random.Generator, label: int) -> tuple[np.ndarray, tuple[int,
             return image, _pixel(a), _pixel(b)
 
 
+SPLITS = ("train", "val", "test")  # build_pathfinder's splits, in the order of their numbers
 CHUNK = 5_000  # images drawn from one seeded generator; a larger split is drawn in parallel chunks
 
 
-def _chunk(seed: int, split: int, chunk: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _chunk(
+    seed: int, split: int, chunk: int, n: int, bar: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``n`` balanced images ``(n, 1024)`` uint8, labels ``(n,)``, marker centres ``(n, 2, 2)``, from the
-    generator seeded by (seed, split, chunk): the same whichever process draws them."""
+    generator seeded by (seed, split, chunk): the same whichever process draws them; ``bar``: a progress
+    bar over the images (drawn in this process)."""
     rng = np.random.default_rng([seed, split, chunk])
     labels = rng.permutation(np.arange(n) % 2)
     images, markers = (
         np.zeros((n, IMAGE_SIZE * IMAGE_SIZE), dtype=np.uint8),
         np.zeros((n, 2, 2), dtype=np.int64),
     )
-    for i, label in enumerate(labels):
+    for i, label in enumerate(
+        progress(labels, f"pathfinder: {SPLITS[split]}", unit="img") if bar else labels
+    ):
         image, a, b = sample(rng, int(label))
         images[i], markers[i] = image.reshape(-1), (a, b)
     return images, labels, markers
@@ -290,9 +297,10 @@ def build_pathfinder(
         with ProcessPoolExecutor(
             min(os.cpu_count() or 1, len(jobs)), mp_context=get_context("spawn")
         ) as pool:
-            chunks = list(pool.map(_chunk, *zip(*jobs)))
+            drawn = pool.map(_chunk, *zip(*jobs))
+            chunks = list(progress(drawn, f"pathfinder: {CHUNK:,}-image chunks", len(jobs), unit="chunk"))
     else:
-        chunks = [_chunk(*job) for job in jobs]
+        chunks = [_chunk(*job, bar=True) for job in jobs]
     for s, split in enumerate(splits):
         mine = [c for job, c in zip(jobs, chunks) if job[1] == s]
         images, labels, markers = (np.concatenate(parts) for parts in zip(*mine))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...progress import progress
 from ..roots import DataError, resolve_root
 from ..sequence_format import write_meta, write_split
 
@@ -20,7 +21,7 @@ def read_gray_folder(root: Path, split: str) -> tuple[list[np.ndarray], list[int
 
     classes = sorted(d.name for d in (root / split).iterdir() if d.is_dir())
     images, labels = [], []
-    for label, name in enumerate(classes):
+    for label, name in enumerate(progress(classes, f"reading {root.name}/{split}", unit="class")):
         for path in sorted((root / split / name).glob("*.png")):
             with Image.open(path) as im:
                 images.append(np.asarray(im.convert("L"), dtype=np.uint8).reshape(-1))

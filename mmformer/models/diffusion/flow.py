@@ -15,9 +15,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ...progress import progress
+
 T_SAMPLINGS = ("uniform", "logit_normal")
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def _steps(ts: list[float], bar: bool):
+    """``(t, t_next)`` pairs of ``ts``, with a progress bar (``mmformer.progress``) when ``bar``."""
+    pairs = list(zip(ts[:-1], ts[1:]))
+    return progress(pairs, "sampling", unit="step") if bar else pairs
 
 
 def _bcast(t: Tensor, like: Tensor) -> Tensor:
@@ -83,10 +91,11 @@ class RectifiedFlow:
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         x_1: Tensor | None = None,
+        bar: bool = False,
     ) -> Tensor:
         """Integrate ``dx/dt = v(x, t)`` from t = 1 (``x_1``, default a standard-normal draw of ``shape``)
         to t = 0 with ``steps`` uniform Euler steps; ``model_fn(x, t)`` gets float ``t (B,)`` in ``x``'s
-        dtype. Returns a sample ``(B, *)`` at t = 0.
+        dtype. Returns a sample ``(B, *)`` at t = 0. ``bar``: a progress bar over the steps.
 
         Raises ValueError when ``steps < 1``.
         """
@@ -94,7 +103,7 @@ class RectifiedFlow:
             raise ValueError(f"steps must be >= 1, got {steps}")
         x = self._start(shape, generator, device, x_1)
         ts = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
-        for t_cur, t_next in zip(ts[:-1], ts[1:]):
+        for t_cur, t_next in _steps(ts, bar):
             t = torch.full((x.shape[0],), t_cur, dtype=x.dtype, device=x.device)
             x = x + (t_next - t_cur) * model_fn(x, t)
         return x
@@ -108,6 +117,7 @@ class RectifiedFlow:
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         x_1: Tensor | None = None,
+        bar: bool = False,
     ) -> Tensor:
         """As :meth:`euler_sample` with Heun's second-order correction (the average of the velocities at
         both ends of each step, Karras et al. 2022 Algorithm 1); the last step, ending at t = 0, is plain
@@ -119,7 +129,7 @@ class RectifiedFlow:
             raise ValueError(f"steps must be >= 1, got {steps}")
         x = self._start(shape, generator, device, x_1)
         ts = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
-        for t_cur, t_next in zip(ts[:-1], ts[1:]):
+        for t_cur, t_next in _steps(ts, bar):
             t = torch.full((x.shape[0],), t_cur, dtype=x.dtype, device=x.device)
             v = model_fn(x, t)
             x_euler = x + (t_next - t_cur) * v

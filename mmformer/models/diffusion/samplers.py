@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ...progress import progress
 from .schedules import GaussianDiffusion
 
 ModelFn = Callable[[Tensor, Tensor], Tensor]
@@ -64,12 +65,9 @@ def _start(
     return torch.randn(tuple(shape), generator=generator, device=device), device
 
 
-def _steps(ts: Sequence[int], progress: bool):
-    if not progress:
-        return ts
-    from tqdm.auto import tqdm
-
-    return tqdm(ts)
+def _steps(ts: Sequence[int], bar: bool):
+    """``ts``, with a progress bar (``mmformer.progress``: a terminal's only) when ``bar``."""
+    return progress(ts, "sampling", unit="step") if bar else ts
 
 
 @torch.no_grad()

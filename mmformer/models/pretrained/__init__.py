@@ -24,7 +24,7 @@ from .bert import BERT_SPECIAL, SentenceEmbeddingHead, build_bert, load_hf_bert
 from .gguf import read_gguf, tokenizer_from_gguf
 from .llama import build_llama, hf_tokenizer, llama_config, load_gguf_llama, load_hf_llama, save_hf_llama
 from .timm_vit import build_timm_vit, is_timm_vit_source, load_timm_vit
-from .whisper import is_whisper_ct2, load_whisper_encoder
+from .whisper import is_whisper_ct2, load_whisper, load_whisper_encoder
 
 
 @dataclass
@@ -123,11 +123,18 @@ def load_pretrained_tokenizer(name_or_path: str | Path) -> TextTokenizer:
     return hf_tokenizer(path)
 
 
-def load_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> Pretrained:
+def load_pretrained(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, decoder: bool = False
+) -> Pretrained:
     """Load a known name, a ``.gguf`` file, an HF Llama / BERT directory or a CTranslate2 Whisper
-    directory. Raises ``FileNotFoundError`` / ``ValueError`` (unsupported architecture, weights that do
+    directory. A Whisper is its audio encoder alone, or with ``decoder`` the whole encoder–decoder and its
+    text tokenizer (``load_whisper``: the encoder in ``model.towers["audio"]``, the decoder as the
+    backbone). Raises ``FileNotFoundError`` / ``ValueError`` (unsupported architecture, weights that do
     not fit)."""
     family, path = pretrained_family(name_or_path), resolve_pretrained(name_or_path)
+    if family == "whisper" and decoder:
+        model, tok, config = load_whisper(path, dtype)
+        return Pretrained(model, tok, config, family, str(path))
     if family == "whisper":
         model, config = load_whisper_encoder(path, dtype)
         return Pretrained(model, None, config, family, str(path))

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ...progress import progress
 from ...tokenizers.text import TextTokenizer
 
 # llama.cpp token types (llama.h ``llama_token_type``): 3 control, 4 user-defined → special tokens
@@ -33,7 +34,7 @@ class GGUFFile:
         from gguf.quants import dequantize
 
         out = {}
-        for t in self._reader.tensors:
+        for t in progress(self._reader.tensors, f"reading {self.path.name}", unit="tensor"):
             shape = tuple(int(d) for d in reversed(t.shape))  # GGML lists dimensions fastest-first
             arr = dequantize(t.data, t.tensor_type).reshape(shape)
             out[t.name] = torch.from_numpy(arr.astype("float32", copy=False).copy())

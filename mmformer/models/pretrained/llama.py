@@ -32,6 +32,7 @@ from torch import Tensor
 from ...nn.blocks import Block
 from ...nn.lora import LoRALinear
 from ...nn.mlp import SwiGLU
+from ...progress import progress
 from ...tokenizers.text import TextEmbedding, TextTokenizer
 from ..backbone import build_backbone
 from ..backbone_config import AttentionConfig, MlpConfig, PositionConfig
@@ -200,14 +201,16 @@ def _load_into(model: MultimodalModel, sd: dict[str, Tensor]) -> MultimodalModel
 
 # --------------------------------------------------------------------------- HF directories
 def _read_safetensors_dir(path: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     files = _read_index(path) or sorted(path.glob("*.safetensors"))  # the index names the shards
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
     sd: dict[str, Tensor] = {}
     for f in files:  # single file or shards (model-00001-of-0000N.safetensors)
-        sd.update(load_file(str(f)))
+        with safe_open(str(f), "pt") as weights:  # tensor by tensor, as load_file reads them
+            for name in progress(weights.keys(), f"reading {f.name}", unit="tensor"):
+                sd[name] = weights.get_tensor(name)
     return sd
 
 

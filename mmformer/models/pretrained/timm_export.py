@@ -1,8 +1,9 @@
 """mmformer ViTs out to timm: :func:`vit_config` describes a plain mmformer ViT the way
 :func:`~mmformer.models.pretrained.timm_vit.describe_timm_vit` describes a timm checkpoint, and
 :func:`save_timm_vit` writes it in timm's Hugging Face layout (``model.safetensors`` + ``config.json``
-whose ``model_args`` rebuild exactly this architecture), which ``timm.create_model("local-dir:OUT")``
-loads. timm itself is not imported here.
+whose ``model_args`` rebuild exactly this architecture) with timm's own ``save_for_hf``, which
+``timm.create_model("local-dir:OUT")`` loads and ``timm.models.push_to_hf_hub`` uploads. timm is
+imported inside :func:`save_timm_vit` only.
 
 ``config.json``'s ``architecture`` must be a name timm registers (its loader builds that model with the
 ``model_args`` as overrides), so it is the plain timm ViT (Dosovitskiy et al. 2020, arXiv:2010.11929,
@@ -11,17 +12,18 @@ the nearest width: :func:`timm_architecture`."""
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ...nn.blocks import Block
 from ...tokenizers.image import ViTPatchTokenizer
 from ..heads import ClassifierHead
 from ..model import MultimodalModel
-from .export_files import save_safetensors
+from .export_files import umask
 from .timm_vit import mmformer_to_timm
 
 # timm's plain ViT families: (width, depth, heads, MLP hidden units), and the (patch, image) sizes timm
@@ -47,15 +49,54 @@ VIT_SIZES = {
 
 
 def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, head: str | None = None) -> Path:
-    """Write ``model`` in timm's Hugging Face layout (``model.safetensors`` + ``config.json`` whose
-    ``model_args`` rebuild exactly this architecture): ``timm.create_model("local-dir:OUT")`` loads it.
-    ``config`` is :func:`describe_timm_vit`'s description (or :func:`vit_config` of an mmformer model);
-    without an ``architecture`` there, :func:`timm_architecture` names it. Both files get a normal
-    file's permissions."""
+    """Write ``model`` through timm's own Hugging Face exporter, ``timm.models.save_for_hf`` (the
+    directory ``timm.models.push_to_hf_hub`` uploads): ``model.safetensors`` + ``config.json`` whose
+    ``model_args`` rebuild exactly this architecture, so ``timm.create_model("local-dir:OUT")`` loads it.
+    The timm model is built on the meta device and takes mmformer's tensors as its own (strict: every
+    timm tensor filled, no mmformer tensor left over). ``config`` is :func:`describe_timm_vit`'s
+    description (or :func:`vit_config` of an mmformer model); without an ``architecture`` there,
+    :func:`timm_architecture` names it. Both files get a normal file's permissions. Raises
+    ``ValueError`` for what timm's ViT cannot express."""
+    import timm  # imported here: `import timm` imports wandb when it is installed (DESIGN.md)
+    from timm.models import save_for_hf
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = mmformer_to_timm(model, head)
     num_classes = int(state["head.weight"].shape[0]) if "head.weight" in state else 0
+    model_args = timm_model_args(config)
+    arch = config.get("architecture") or timm_architecture(config)
+    with torch.device("meta"):
+        ref = timm.create_model(arch, pretrained=False, num_classes=num_classes, **model_args)
+    missing, unexpected = ref.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(
+            f"timm's {arch} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    h, w = config["image_size"]
+    data_config = {
+        "input_size": (config["in_chans"], h, w),
+        "interpolation": "bicubic",
+        "crop_pct": 1.0,
+        "mean": tuple(config["mean"]),
+        "std": tuple(config["std"]),
+    }
+    # the registered name's own pretrained_cfg describes timm's weights (tag, license, hub id): not these
+    ref.pretrained_cfg = {
+        "architecture": arch,
+        **data_config,
+        "num_classes": num_classes,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+    }
+    save_for_hf(ref, out, model_args=model_args, safe_serialization=True, data_config=data_config)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask())  # safetensors writes a private (0600) file
+    return out
+
+
+def timm_model_args(config: dict) -> dict:
+    """The ``timm.create_model`` keyword arguments that build the ViT ``config`` describes
+    (:func:`vit_config`'s keys). Raises ``ValueError`` for what timm's ViT cannot express."""
     h, w = config["image_size"]
     if config["final_norm"] and config["fc_norm"]:
         raise ValueError("timm's ViT has a final norm or an fc_norm, not both")
@@ -82,27 +123,7 @@ def save_timm_vit(model: MultimodalModel, config: dict, out_dir: str | Path, hea
     }
     if config.get("layer_scale") is not None:
         model_args["init_values"] = config["layer_scale"]
-    arch = config.get("architecture") or timm_architecture(config)
-    timm_cfg = {
-        "architecture": arch,
-        "num_classes": num_classes,
-        "num_features": config["d_model"],
-        "global_pool": config["global_pool"],
-        "model_args": model_args,
-        "pretrained_cfg": {
-            "input_size": [config["in_chans"], h, w],
-            "fixed_input_size": True,
-            "interpolation": "bicubic",
-            "mean": list(config["mean"]),
-            "std": list(config["std"]),
-            "num_classes": num_classes,
-            "first_conv": "patch_embed.proj",
-            "classifier": "head",
-        },
-    }
-    save_safetensors(state, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(timm_cfg, indent=2) + "\n")
-    return out
+    return model_args
 
 
 def vit_config(model: MultimodalModel, head: str | None = None) -> dict:

@@ -242,12 +242,32 @@ def whisper_prompt(tokenizer: TextTokenizer, config: dict, language: str = "en")
     return ids + [no_timestamps]
 
 
+def whisper_tokenizer(path: str | Path, config: dict) -> TextTokenizer:
+    """Whisper's text tokenizer (``tokenizer.json`` in a CTranslate2 directory), as Whisper reads and
+    writes transcripts: a leading space before the text (its transcripts start " Hello"), and
+    ``encode(bos=True)`` starting with ``whisper_prompt`` — so a training target is the prompt, the
+    transcript's tokens and ``<|endoftext|>``. Raises ``FileNotFoundError`` / ``ValueError``."""
+    from tokenizers import pre_tokenizers
+
+    tok = TextTokenizer.from_file(Path(path) / "tokenizer.json", WHISPER_SPECIAL)
+    tok.tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+    prompt = [tok.tokenizer.id_to_token(i) for i in whisper_prompt(tok, config)]
+    return TextTokenizer(tok.tokenizer, WHISPER_SPECIAL, prompt=prompt)
+
+
+def build_whisper_source(config: dict) -> MultimodalModel:
+    """An untrained model of a pretrained source's pinned ``config``: the whole encoder–decoder
+    (``build_whisper``) when it has the decoder's sizes, else the encoder alone (``build_whisper_encoder``)."""
+    return build_whisper(config) if "n_text_layers" in config else build_whisper_encoder(config)
+
+
 def load_whisper(
     path: str | Path, dtype: torch.dtype = torch.float32
 ) -> tuple[MultimodalModel, TextTokenizer, dict]:
     """A CTranslate2 Whisper directory → ``(encoder–decoder model, its text tokenizer, config)``; the
     model's parts are named as ``WHISPER``, ``config`` holds the sizes and the decoding rules
-    (``whisper_prompt`` makes the prompt). Raises ``FileNotFoundError`` / ``ValueError``."""
+    (``whisper_prompt`` makes the prompt, which the tokenizer's ``start_ids`` hold too). Raises
+    ``FileNotFoundError`` / ``ValueError``."""
     path = Path(path)
     if not path.is_dir() or not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a CTranslate2 Whisper directory with a tokenizer.json")
@@ -275,5 +295,4 @@ def load_whisper(
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"Whisper weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    tokenizer = TextTokenizer.from_file(path / "tokenizer.json", WHISPER_SPECIAL)
-    return model.to(dtype), tokenizer, config
+    return model.to(dtype), whisper_tokenizer(path, config), config
