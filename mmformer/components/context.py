@@ -45,7 +45,10 @@ ARCHITECTURES = {
 
 
 def _model_parts(recipe):
-    """``(key, config)`` of every model part: backbone, towers, tokenizers, heads."""
+    """``(key, config)`` of every model part: backbone, towers, tokenizers, heads (none without a recipe:
+    a context built for one part alone)."""
+    if recipe is None:
+        return
     m = recipe.model
     yield "model.backbone", m.backbone
     yield from ((f"model.towers.{n}", c) for n, c in m.towers.items())

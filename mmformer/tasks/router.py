@@ -368,7 +368,7 @@ class MultiTaskModule(L.LightningModule):
                     "lr": self.optim_cfg.lr,
                 }
             )
-        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+        if getattr(getattr(self.trainer, "precision_plugin", None), "scaler", None) is None:
             # A fused optimizer says it unscales gradients itself (for a GradScaler), so Lightning's mixed
             # precision refuses to clip its gradients; without a scaler (bf16, fp32) nothing is scaled.
             optimizer._step_supports_amp_scaling = False

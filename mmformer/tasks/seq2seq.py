@@ -39,7 +39,8 @@ class Seq2SeqTask(PrefixLMTask):
     ):
         super().__init__(parts, *args, **kwargs)
         self.suppress, self.suppress_begin = list(suppress), list(suppress_begin)
-        self.start_ids = list(getattr(self.text, "start_ids", None) or [self.text.bos_id])
+        start = getattr(self.text, "start_ids", None) or ([self.text.bos_id] if self.text is not None else [])
+        self.start_ids = list(start)
         self.prompt_len = len(self.start_ids)
 
     def transcribe(
