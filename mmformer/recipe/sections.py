@@ -157,7 +157,7 @@ class TrainerConfig:
 @dataclass
 class LoggerConfig:
     """``logger``: where metrics go besides ``metrics.csv`` (always written). ``kinds`` picks the loggers
-    (``wandb``, ``tensorboard``, ``mlflow``; the last two need ``pip install 'mmformer[loggers]'``).
+    (``wandb``, ``tensorboard``, ``mlflow``; the last needs ``pip install 'mmformer[loggers]'``).
 
     W&B: ``mode`` ``auto`` = online when credentials exist, offline otherwise; ``log_model`` uploads
     checkpoints as W&B model artifacts: ``false``, ``last`` (``last.ckpt`` when training ends), ``best``

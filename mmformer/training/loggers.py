@@ -104,24 +104,25 @@ def resolve_wandb_mode(mode: str) -> str:
     return "online" if wandb_credentials_present() else "offline"
 
 
-# logger.kinds → the Python package it needs (the ``loggers`` extra of pyproject.toml installs them)
-PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
+# logger.kinds → the Python package it needs and what installs it (TensorBoard is a dependency of
+# mmformer; MLflow comes with the ``loggers`` extra of pyproject.toml)
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "'mmformer[loggers]'")}
 
 
 def check_loggers(cfg) -> None:
     """Refuse, before any data is read, loggers that cannot start. ``cfg``: ``LoggerConfig``.
 
     Raises:
-        UsageError: a ``logger.kinds`` entry whose package is not installed (the message names
-            ``pip install 'mmformer[loggers]'``), or W&B online without an API key (``check_wandb_login``).
+        UsageError: a ``logger.kinds`` entry whose package is not installed (the message names the
+            ``pip install`` that brings it), or W&B online without an API key (``check_wandb_login``).
     """
     for kind in cfg.kinds:
-        package = PACKAGES.get(kind)
+        package, install = PACKAGES.get(kind, (None, None))
         if package is not None and importlib.util.find_spec(package) is None:
             rest = ", ".join(k for k in cfg.kinds if k != kind)
             raise UsageError(
                 f"logger.kinds has {kind!r} but the {package} package is not installed: "
-                f"pip install 'mmformer[loggers]' (or leave it out: logger.kinds=[{rest}])"
+                f"pip install {install} (or leave it out: logger.kinds=[{rest}])"
             )
     if "wandb" in cfg.kinds:
         check_wandb_login(cfg.mode)
