@@ -84,3 +84,22 @@ def test_data_prepare_draws_a_bar_when_forced(workdir, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "digits: writing PNGs: 100%" in err and "1797/1797" in err
     assert len(list((workdir / "data" / "digits").rglob("*.png"))) == 1797
+
+
+def test_generation_counts_its_tokens_and_generates_the_same(monkeypatch, capsys):
+    import torch
+
+    from mmformer.models.generate import generate
+    from mmformer.models.pretrained.llama import build_llama
+    from tests.conftest import TINY_LLAMA
+
+    torch.manual_seed(0)
+    model = build_llama(TINY_LLAMA).eval()
+    ids = torch.randint(1, 97, (2, 5))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    plain = generate(model, "text", "lm", ids, valid, 6)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv(ENV, "1")
+    assert generate(model, "text", "lm", ids, valid, 6, bar=True) == plain
+    err = capsys.readouterr().err
+    assert "generating:" in err and "/6 [" in err  # a bar over the 6 new tokens

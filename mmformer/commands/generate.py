@@ -58,6 +58,7 @@ def cmd_generate(args) -> int:
             args.top_p,
             gen,
             compile=args.compile,
+            bar=True,
         )
     except ValueError as e:  # an empty or over-long prompt: the user's input, not a bug
         raise UsageError(str(e)) from None

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..nn.kv_cache import KVCache
+from ..progress import progress
 from .compiled_decoding import compiled_step
 from .model import MultimodalModel
 
@@ -57,6 +58,7 @@ def generate(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     compile: bool = False,
+    bar: bool = False,
 ) -> list[list[int]]:
     """Continue left-padded prompts ``ids, valid (B, N)``; returns each row's new ids (without the prompt,
     up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step.
@@ -66,6 +68,7 @@ def generate(
     for minutes; for fixed weights — a change of weights or model recompiles).
 
     With learned absolute positions (``max_len``) the continuation stops at the end of the context.
+    ``bar``: a progress bar over the new tokens (``mmformer.progress``: only on a terminal).
     Raises ``ValueError`` for an empty prompt or a prompt that already fills the context.
     """
     model.for_decoding()
@@ -86,7 +89,10 @@ def generate(
     logits = model.heads[head](hidden[:, -1:], tokens)[:, -1]  # the prompt's last position only
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    steps = progress(desc="generating", total=max_new_tokens, unit="token", leave=False) if bar else None
     for step in range(max_new_tokens):
+        if steps is not None:
+            steps.update(1)
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
         for i, t in enumerate(nxt.tolist()):
             if not done[i] and t != eos_id:
@@ -98,4 +104,6 @@ def generate(
         pos = cache.valid.sum(dim=1, keepdim=True).unsqueeze(-1)  # each row continues from its length
         step_valid = torch.ones_like(nxt[:, None], dtype=torch.bool)
         logits = forward(nxt[:, None], tokenizer, head, cache=cache, valid=step_valid, positions=pos)[:, -1]
+    if steps is not None:
+        steps.close()
     return out

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...progress import progress
+
 # CTranslate2 DataType enum → numpy dtype (int8 weights of quantized models keep their scale separately)
 _DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
 
@@ -49,7 +51,7 @@ def read_ctranslate2(path: str | Path) -> tuple[str, dict[str, Tensor]]:
     take("I")  # revision
     (n,) = take("I")
     variables: dict[str, Tensor] = {}
-    for _ in range(n):
+    for _ in progress(range(n), f"reading {Path(path).name}", unit="tensor"):
         name = string()
         (rank,) = take("B")
         dims = take("I" * rank)

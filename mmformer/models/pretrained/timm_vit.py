@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ...progress import progress
 from ...tokenizers.image import ViTPatchTokenizer
 from ..backbone import build_backbone
 from ..backbone_config import AttentionConfig, BlockConfig, MlpConfig
@@ -89,9 +90,11 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     Raises ``ValueError`` when the file holds no state dict."""
     path = Path(path)
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+            return {k: f.get_tensor(k) for k in progress(names, f"reading {path.name}", unit="tensor")}
     obj = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("state_dict_ema", "state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
