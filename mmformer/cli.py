@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
   mmformer train recipes/text/gpt_mini_lm_kjv.yaml resume=auto        # continue its last run
   mmformer train RECIPE.yaml trainer.accelerator=cpu trainer.devices=2 trainer.strategy=ddp
   mmformer train RECIPE.yaml logger.mode=offline trainer.max_steps=200
+  mmformer train RECIPE.yaml trainer.fast_dev_run=true                 # one batch each: a smoke test
   mmformer info RECIPE.yaml [key=value ...]                            # the whole resolved recipe
 
 environment: MMFORMER_RUNS (runs folder, default runs/), MMFORMER_DATA (data root, default data/),
