@@ -111,7 +111,7 @@ def _norm(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def project():
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+ (the constraints pin 3.11+)")
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
@@ -209,7 +209,7 @@ def test_a_c_compiler_and_python_headers_for_triton(dockerfile):
 def _dry_run(target: str, tmp_path: Path) -> list[str]:
     """The commands ``make -n TARGET`` prints for a .venv that does not exist yet (nothing is run)."""
     if shutil.which("make") is None:
-        pytest.skip("no make")
+        pytest.skip("make is not installed: the Makefile's commands cannot be listed")
     # CI runs these tests under `make test-all`: the outer make's flags must not reach this one
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     out = subprocess.run(

@@ -64,18 +64,8 @@ def test_manual_updates_and_captured_stderr(no_setting, capsys):
 
 
 def test_data_prepare_draws_a_bar_when_forced(workdir, monkeypatch, capsys):
-    pytest.importorskip("tqdm")
-    from mmformer.cli import main
-    from mmformer.data.prepare import BUNDLED
+    from mmformer.cli import main  # the digits ship inside scikit-learn, which every make target installs
 
-    if BUNDLED["digits"].missing():
-        pytest.skip(BUNDLED["digits"].missing())
-    try:
-        from mmformer.data.prepare import _package_file
-
-        _package_file("sklearn", "datasets/data/digits.csv.gz", "")
-    except Exception as e:  # the source file ships with scikit-learn
-        pytest.skip(str(e))
     monkeypatch.delenv(ENV, raising=False)
     assert main(["data", "prepare", "digits"]) == 0
     assert "writing PNGs" not in capsys.readouterr().err  # not a terminal: quiet

@@ -17,7 +17,9 @@ from mmformer.data.shards import image_decoder
 from mmformer.tokenizers.image import ImagePreprocess
 from tests.conftest import TINY_RECIPE, make_image_folder
 
-datasets = pytest.importorskip("datasets")
+datasets = pytest.importorskip(
+    "datasets", reason="the hf extra: pip install 'mmformer[hf]' (make test installs it)"
+)
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import csv
 import json
 
 import pytest
+import timm
 import torch
 import yaml
 
-timm = pytest.importorskip("timm")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the parity reference: the dev extra (make test)")
 
 from mmformer.cli import main  # noqa: E402
 from mmformer.model_card import ExportInfo, checkpoint_facts, render_card  # noqa: E402

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
 from ...data.hf_datasets import FIELDS, hf_data
-from ...errors import RecipeError, did_you_mean, positive
-from ...registry import kinds, lookup, register
+from ...errors import did_you_mean, positive
+from ...registry import register
 from ..context import BuildContext
-from .base import LoaderConfig, task_of
-from .shards import shard_decoders
+from .base import LoaderConfig
+from .shards import shard_decoders, shard_reader
 
 
 @dataclass
@@ -43,12 +43,7 @@ class HFDatasetConfig(LoaderConfig):
                 )
 
     def check(self, recipe, where: str) -> None:
-        task = task_of(recipe, where)
-        if task.shards is None:
-            readers = ", ".join(k for k in kinds("task") if lookup("task", k).config.shards)
-            raise RecipeError(
-                f"'{where}': hf_dataset data is not read by a {task.kind} task ({readers} read it)"
-            )
+        shard_reader(recipe, where, "hf_dataset data")
 
 
 @register("dataset", "hf_dataset", HFDatasetConfig)

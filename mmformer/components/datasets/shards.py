@@ -29,6 +29,16 @@ from ..tokenizers import audio_preprocess, modality_at_load
 from .base import task_of
 
 
+def shard_reader(recipe, where: str, what: str):
+    """The task config that reads the data at ``where``; raises ``RecipeError`` naming the task kinds
+    that read shard-style samples when it does not (``what``: the data kind, as the message names it)."""
+    task = task_of(recipe, where)
+    if task.shards is None:
+        readers = ", ".join(k for k in kinds("task") if lookup("task", k).config.shards)
+        raise RecipeError(f"'{where}': {what} is not read by a {task.kind} task ({readers} read it)")
+    return task
+
+
 @dataclass
 class ShardsDataConfig:
     """``tasks.<name>.data`` of kind ``shards``: WebDataset tar shards — written by ``mmformer data shard``
@@ -78,12 +88,7 @@ class ShardsDataConfig:
             raise ValueError("num_workers and crop_padding must be >= 0")
 
     def check(self, recipe, where: str) -> None:
-        task = task_of(recipe, where)
-        if task.shards is None:
-            readers = ", ".join(k for k in kinds("task") if lookup("task", k).config.shards)
-            raise RecipeError(
-                f"'{where}': data.kind: shards is not read by a {task.kind} task ({readers} read shards)"
-            )
+        task = shard_reader(recipe, where, "data.kind: shards")
         if self.pack and task.shards != "text":
             raise RecipeError(
                 f"'{where}.pack' packs text shards for causal_lm / masked_lm, not a {task.kind} task: remove it"
