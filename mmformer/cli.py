@@ -11,8 +11,11 @@ mmformer data prepare NAME [--force] | mmformer data list | mmformer data shard 
 from __future__ import annotations
 
 import argparse
+import atexit
+import faulthandler
 import importlib
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -136,7 +139,8 @@ environment: MMFORMER_RUNS (runs folder, default runs/), MMFORMER_DATA (data roo
     e.set_defaults(command_fn="export")
     sp = sub.add_parser(
         "sample",
-        help="sample images from a diffusion checkpoint (a PNG grid); --classifier also measures them",
+        help="sample images from a checkpoint of a generating task (diffusion, maskgit, …; a PNG grid); "
+        "--classifier also measures them",
     )
     sp.add_argument("checkpoint", type=Path)
     sp.add_argument("--class", dest="class_", type=int, default=None, help="class id (default: every class)")
@@ -155,10 +159,15 @@ environment: MMFORMER_RUNS (runs folder, default runs/), MMFORMER_DATA (data roo
     sp.add_argument(
         "--steps",
         type=_positive_int,
-        default=50,
-        help="sampling steps (DDIM / Euler / Heun; DDPM uses all T)",
+        default=None,
+        help="sampling steps, as the task counts them: DDIM / Euler / Heun steps (diffusion; DDPM uses all "
+        "T), parallel-decoding rounds (maskgit, at most the number of codes); default: the recipe's sample_steps",
     )
-    sp.add_argument("--sampler", choices=["ddim", "ddpm", "euler", "heun"], default=None)
+    sp.add_argument(
+        "--sampler",
+        default=None,
+        help="the task's sampler: ddim | ddpm (gaussian diffusion), euler | heun (flow), maskgit (maskgit)",
+    )
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--out", type=Path, default=None, help="PNG grid to write")
     sp.add_argument(
@@ -294,7 +303,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not had_group and _process_group_initialized():
         _close_process_group()
+        global _ended_a_distributed_run
+        _ended_a_distributed_run = True
     return rc
+
+
+_ended_a_distributed_run = False  # set by main when the command's run created (and closed) a process group
+
+
+def run() -> None:
+    """The ``mmformer`` console script and ``python -m mmformer.cli``: :func:`main`, then exit with its code.
+
+    After a distributed run the process ends without interpreter finalization: gloo's worker threads can
+    still hold a finished work's tensors while the interpreter tears down, and a thread that then needs
+    the GIL is ended by a forced unwind that ``std::terminate``s the process ("terminate called without
+    an active exception", exit -6) after a run that succeeded — pytorch/pytorch#179291 describes the
+    race; CI hit it on FSDP2 runs even after ``destroy_process_group``. The exit handlers (logging, W&B,
+    multiprocessing, ``weakref.finalize``) run first, while everything is alive, and the streams are
+    flushed; nothing else is left to finalize. ``main`` itself never exits: tests and notebooks call it.
+    """
+    faulthandler.enable()  # a fatal signal prints every thread's Python stack, not only the C++ message
+    rc = main()
+    if not _ended_a_distributed_run:
+        sys.exit(rc)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be written anyway
+            pass
+    os._exit(rc if isinstance(rc, int) else 0)
 
 
 def _source_steps(e: Exception, args) -> str:
@@ -334,4 +372,4 @@ def _close_process_group() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
