@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from mmformer.training.threads import choose_threads, usable_cores
 from tests.wandb_records import history_and_config
 
 
@@ -43,7 +44,10 @@ def test_ddp_two_processes_cpu(tiny_recipe, workdir):
     runs = [p for p in (workdir / "runs" / "tiny").iterdir() if p.is_dir()]
     assert len(runs) == 1  # every process agreed on the run folder
     run = runs[0]
-    assert json.loads((run / "run.json").read_text())["world_size"] == 2
+    info = json.loads((run / "run.json").read_text())
+    assert info["world_size"] == 2
+    # the cores split between the two processes (2 × 2 threads on 2 cores ran 7× slower than 2 × 1)
+    assert info["threads"] == choose_threads(None, 2, usable_cores()).threads
     assert len(list((run / "wandb").glob("offline-run-*"))) == 1  # one W&B run, from rank 0
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert "last.ckpt" in ckpts and not any(p.endswith(".tmp") for p in ckpts)

@@ -26,6 +26,7 @@ from ..training.loggers import build_loggers
 from ..training.preemption import StopOnSignal
 from ..training.runs import Run, RunFolder
 from ..training.sharded_ema import ShardedEMAWeights
+from ..training.threads import set_threads
 
 
 def default_monitor(recipe, module: MultiTaskModule) -> tuple[str, str]:
@@ -253,4 +254,5 @@ def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=())
     if unused and strategy == "auto" and type(trainer.strategy) is DDPStrategy:  # "auto" chose DDP: tell it
         start = "fork" if _interactive() else "popen"
         trainer = L.Trainer(strategy=DDPStrategy(find_unused_parameters=True, start_method=start), **kwargs)
+    set_threads(t.threads, trainer.num_devices)  # every rank process builds its trainer: each sets its own
     return trainer

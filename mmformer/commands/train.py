@@ -16,6 +16,7 @@ from ..training.loggers import check_loggers, finish_loggers, wandb_run_url, wan
 from ..training.preemption import Preempted
 from ..training.runs import describe_resume, exported, open_run
 from ..training.sharded import read_meta
+from ..training.threads import choose_threads, load_hint, usable_cores
 from .info import describe_model
 
 
@@ -86,6 +87,8 @@ def _fit(recipe, run, extra_callbacks, verbose: bool):
             _say("\n".join(describe_model(module.model, recipe)))
         tracker = LastValidationStep()
         trainer = build_trainer(recipe, run, module, extra_callbacks=[tracker, *extra_callbacks])
+        if verbose:
+            _say(_threads_line(recipe, trainer))
         if verbose and (url := wandb_run_url(trainer.loggers)):
             _say(f"W&B run: {url}")
         if run.resume_from is not None and verbose:
@@ -103,6 +106,14 @@ def _fit(recipe, run, extra_callbacks, verbose: bool):
         if trainer is not None:
             finish_loggers(trainer.loggers)
     return trainer
+
+
+def _threads_line(recipe, trainer) -> str:
+    procs, cores = trainer.num_devices, usable_cores()
+    choice = choose_threads(recipe.trainer.threads, procs, cores)
+    line = f"threads: {choice.threads} per process ({choice.reason}; trainer.threads sets it)"
+    hint = load_hint(choice, procs, cores)
+    return f"{line}\n{hint}" if hint else line
 
 
 def _val_metrics(trainer) -> str:

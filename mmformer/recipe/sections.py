@@ -111,7 +111,7 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     """Lightning ``Trainer`` arguments: mmformer's own keys (``validate_first``, ``compile``,
-    ``activation_checkpointing``) and the arguments recipes set most are typed fields; every other
+    ``activation_checkpointing``, ``threads``) and the arguments recipes set most are typed fields; every other
     argument of ``lightning.Trainer`` (``fast_dev_run``, ``profiler``, ``overfit_batches``,
     ``detect_anomaly``, ``benchmark``, ``min_epochs`` …) may be set under ``trainer`` too. The loader
     moves those into ``extra`` and writes them back under ``trainer`` (``mmformer.recipe.trainer_args``).
@@ -143,6 +143,9 @@ class TrainerConfig:
     enable_progress_bar: bool = True
     compile: bool = False  # torch.compile every transformer block (models.parallelize; keys stay clean)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # intra-op threads per process; null: OMP_NUM_THREADS if set, else cores // processes per node
+    # (mmformer.training.threads)
+    threads: Optional[int] = None
     # the other lightning.Trainer arguments, passed through as they are (a recipe writes them under trainer)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -151,6 +154,8 @@ class TrainerConfig:
 
         if self.deterministic not in (None, True, False, "warn"):
             raise ValueError(f"deterministic={self.deterministic!r}; choose true | false | warn")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads}; need >= 1 (or null: cores // processes per node)")
         check_extra(self.extra)
 
 

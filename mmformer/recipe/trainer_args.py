@@ -1,8 +1,8 @@
 """Lightning's ``Trainer``, not a hand-kept subset: the recipe's ``trainer`` section takes every argument
 of ``lightning.Trainer.__init__`` of the installed Lightning.
 
-``TrainerConfig`` types mmformer's own keys (``validate_first``, ``compile``, ``activation_checkpointing``)
-and the Lightning arguments recipes set most; any other one (``fast_dev_run``, ``profiler``,
+``TrainerConfig`` types mmformer's own keys (``validate_first``, ``compile``, ``activation_checkpointing``,
+``threads``) and the Lightning arguments recipes set most; any other one (``fast_dev_run``, ``profiler``,
 ``overfit_batches``, ``detect_anomaly``, ``benchmark``, ``min_epochs`` …) is written under ``trainer`` as
 well. The loader moves it into ``trainer.extra`` (:func:`move_lightning_args`), where it is checked
 against ``inspect.signature(lightning.Trainer.__init__)`` and its annotation (:func:`check_extra`);

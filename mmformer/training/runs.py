@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from ..errors import UsageError
 from .checkpoint_io import NOT_MMFORMER, CheckpointError, carries_recipe, write_error
@@ -306,10 +307,16 @@ class RunFolder(L.Callback):
                 **source,
                 "start_time": now,
                 "world_size": trainer.world_size,
+                "threads": torch.get_num_threads(),  # per process (mmformer.training.threads)
                 "resumes": [],
             }
         if self.run.resume_from is not None:
-            resume = {"time": now, "from": str(self.run.resume_from), **source}
+            resume = {
+                "time": now,
+                "from": str(self.run.resume_from),
+                "threads": torch.get_num_threads(),
+                **source,
+            }
             info.setdefault("resumes", []).append(resume)
         _write_file(self.run.dir / "run.json", json.dumps(info, indent=2) + "\n")
 
