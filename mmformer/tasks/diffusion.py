@@ -17,13 +17,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
-from torchvision.utils import make_grid
 
-from ..data.collate import pad_ids
 from ..models.diffusion import GaussianDiffusion, RectifiedFlow, ddim_sample, ddpm_sample, guided
 from ..models.model import MultimodalModel
-from ..training.media import Image, Media, MediaContext
+from ..training.media import Media, MediaContext
 from .base import TaskBase
+from .sample_grid import class_or_caption_grid
 
 SAMPLERS = {"gaussian": ("ddim", "ddpm"), "flow": ("euler", "heun")}
 FLOW_TIME_SCALE = 1000.0
@@ -264,27 +263,4 @@ class DiffusionTask(TaskBase):
         kept): one row per class (class-conditional) or per held-out caption (the first
         ``sample_captions``; text-conditional), ``samples_per_class`` each, guided with
         ``sample_cfg_scale``; ``unconditional_samples`` in rows of 8 when unconditional."""
-        per_class, labels, captions, shown = self.samples_per_class, None, None, []
-        k = ctx.model.tokenizers[self.tokenizer].num_classes
-        if self.caption_tokenizer is not None:  # the first validation captions, one row each
-            val = ctx.val
-            items = [val[i] for i in range(min(self.sample_captions, len(val)))]
-            shown = [it["caption"] for it in items]
-            captions = pad_ids([it["ids"] for it in items for _ in range(per_class)], pad_id=0)
-        elif k:
-            labels = torch.arange(k).repeat_interleave(per_class)  # (k · per_class,)
-        conditional = labels is not None or captions is not None
-        generator = torch.Generator(ctx.device).manual_seed(self.sample_seed)
-        with ctx.validation_weights() as model:
-            images = ctx.forward(
-                self.sample,
-                model,
-                labels,
-                n=self.unconditional_samples,
-                cfg_scale=self.sample_cfg_scale if conditional else 1.0,
-                steps=self.sample_steps,
-                generator=generator,
-                captions=captions,
-            )  # (n, C, H, W) in [-1, 1]
-        grid = make_grid((images.float().cpu() + 1) / 2, nrow=per_class if conditional else 8, padding=1)
-        return [Image("samples", grid, " | ".join(shown) if shown else None)]
+        return class_or_caption_grid(ctx, self, ctx.model.tokenizers[self.tokenizer].num_classes)

@@ -36,6 +36,9 @@ SPECIAL_TOKENS = {
     "audio": "<audio>",
 }
 MASK_TOKEN = "<|mask|>"  # masked language modelling's [MASK], in vocabularies trained for it
+# an image's begin / end markers in mixed text–image sequences (Transfusion, Chameleon), in vocabularies
+# trained for a task that reads them (its config says ``image_markers = True``)
+IMAGE_MARKERS = {"boi": "<boi>", "eoi": "<eoi>"}
 
 
 class TextTokenizer:

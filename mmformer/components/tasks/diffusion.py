@@ -14,11 +14,36 @@ from ...registry import register
 from ...tasks.diffusion import DiffusionTask
 from ..context import BuildContext
 from ..tokenizers import modality_at_load
-from .base import TaskConfigParts
+from .optional_captions import OptionalCaptionParts
+
+PROCESS_CHOICES = {
+    "objective": ("gaussian", "flow"),
+    "beta_schedule": ("linear", "cosine"),
+    "prediction": ("eps", "v"),
+    "t_sampling": ("uniform", "logit_normal"),
+}
+
+
+def check_process_choices(cfg) -> None:
+    """The noising-process keys of a task config (kinds ``diffusion``, ``transfusion``) are among
+    ``PROCESS_CHOICES``; raises ``ValueError`` naming the key, its value and the choices."""
+    for name, allowed in PROCESS_CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name}={getattr(cfg, name)!r}; choose {' | '.join(allowed)}")
+
+
+def build_process(cfg, learned_variance: bool = False, **betas: float) -> GaussianDiffusion | RectifiedFlow:
+    """``RectifiedFlow(cfg.t_sampling)`` for ``objective: flow``, else ``GaussianDiffusion`` over
+    ``cfg.num_timesteps`` steps of the ``cfg.beta_schedule`` (``betas``: ``beta_start`` / ``beta_end``,
+    default ``beta_schedule``'s) with ``cfg.prediction``."""
+    if cfg.objective == "flow":
+        return RectifiedFlow(cfg.t_sampling)
+    schedule = beta_schedule(cfg.beta_schedule, cfg.num_timesteps, **betas)
+    return GaussianDiffusion(schedule, cfg.prediction, learned_variance=learned_variance)
 
 
 @dataclass
-class DiffusionTaskConfig(TaskConfigParts):
+class DiffusionTaskConfig(OptionalCaptionParts):
     """``tasks.<name>`` of kind ``diffusion``: train a DiT to denoise the task's images.
 
     ``objective: gaussian`` — DDPM (Ho et al. 2020) with a ``linear`` or ``cosine`` β schedule over
@@ -46,27 +71,13 @@ class DiffusionTaskConfig(TaskConfigParts):
     samples_per_class: int = 8
 
     def __post_init__(self) -> None:
-        choices = {
-            "objective": ("gaussian", "flow"),
-            "beta_schedule": ("linear", "cosine"),
-            "prediction": ("eps", "v"),
-            "t_sampling": ("uniform", "logit_normal"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}; choose {' | '.join(allowed)}")
+        check_process_choices(self)
         positive(
             self, "num_timesteps", "sample_steps", "samples_per_class", "sample_cfg_scale", "min_snr_gamma"
         )
         if not 0 < self.beta_start < self.beta_end < 1:
             raise ValueError(f"need 0 < beta_start < beta_end < 1, got {self.beta_start}, {self.beta_end}")
         non_negative_weight(self)
-
-    def tokenizer_refs(self) -> dict[str, str]:
-        refs = {"tokenizer": self.tokenizer}
-        if self.caption_tokenizer is not None:
-            refs["caption_tokenizer"] = self.caption_tokenizer
-        return refs
 
     def check(self, recipe, where: str) -> None:
         tok, head = recipe.model.tokenizers[self.tokenizer], recipe.model.heads[self.head]
@@ -127,11 +138,9 @@ class DiffusionTaskConfig(TaskConfigParts):
 @register("task", "diffusion", DiffusionTaskConfig)
 def build_diffusion(cfg: DiffusionTaskConfig, ctx: BuildContext) -> DiffusionTask:
     tok, head = ctx.recipe.model.tokenizers[cfg.tokenizer], ctx.recipe.model.heads[cfg.head]
-    if cfg.objective == "flow":
-        process = RectifiedFlow(cfg.t_sampling)
-    else:
-        betas = beta_schedule(cfg.beta_schedule, cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
-        process = GaussianDiffusion(betas, cfg.prediction, learned_variance=head.learn_sigma)
+    process = build_process(
+        cfg, learned_variance=head.learn_sigma, beta_start=cfg.beta_start, beta_end=cfg.beta_end
+    )
     return DiffusionTask(
         cfg.tokenizer,
         cfg.head,
