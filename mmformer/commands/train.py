@@ -111,7 +111,12 @@ def _fit(recipe, run, extra_callbacks, verbose: bool):
 def _threads_line(recipe, trainer) -> str:
     procs, cores = trainer.num_devices, usable_cores()
     choice = choose_threads(recipe.trainer.threads, procs, cores)
-    line = f"threads: {choice.threads} per process ({choice.reason}; trainer.threads sets it)"
+    why = (
+        "set by trainer.threads"
+        if choice.reason == "trainer.threads"
+        else f"{choice.reason}; trainer.threads sets it"
+    )
+    line = f"threads: {choice.threads} per process ({why})"
     hint = load_hint(choice, procs, cores)
     return f"{line}\n{hint}" if hint else line
 

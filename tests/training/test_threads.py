@@ -59,6 +59,6 @@ def test_training_runs_with_the_recipes_thread_count_and_records_it(tiny_recipe,
         assert torch.get_num_threads() == 1  # applied in the process that trained
     finally:
         torch.set_num_threads(before)
-    assert "threads: 1 per process (trainer.threads" in capsys.readouterr().out
+    assert "threads: 1 per process (set by trainer.threads)" in capsys.readouterr().out
     (run_json,) = (workdir / "runs" / "tiny").glob("*/run.json")
     assert json.loads(run_json.read_text())["threads"] == 1
