@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 from mmformer.training.preemption import HANDLED, Preempted
@@ -111,7 +112,6 @@ def _norm(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def project():
-    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+ (the constraints pin 3.11+)")
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 

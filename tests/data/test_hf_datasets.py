@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+import datasets  # the hf extra: pip install 'mmformer[hf]' (make test installs it)
 import pytest
 import torch
 from PIL import Image
@@ -16,10 +17,6 @@ from mmformer.data.roots import DataError
 from mmformer.data.shards import image_decoder
 from mmformer.tokenizers.image import ImagePreprocess
 from tests.conftest import TINY_RECIPE, make_image_folder
-
-datasets = pytest.importorskip(
-    "datasets", reason="the hf extra: pip install 'mmformer[hf]' (make test installs it)"
-)
 
 
 @pytest.fixture

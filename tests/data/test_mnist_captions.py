@@ -23,8 +23,6 @@ from mmformer.data.mnist_captions import (
 from mmformer.data.prepare import BUNDLED, prepare, split_stratified
 from mmformer.tokenizers.text import TextTokenizer
 
-pytest.importorskip("PIL")
-
 
 def _rows(root: Path, split: str) -> list[dict]:
     return [json.loads(x) for x in (root / f"{split}.jsonl").read_text().splitlines()]

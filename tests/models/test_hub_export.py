@@ -11,25 +11,24 @@ import json
 import pytest
 import timm
 import torch
+import transformers  # the parity reference: the dev extra, which make test installs
 import yaml
 
-transformers = pytest.importorskip("transformers", reason="the parity reference: the dev extra (make test)")
-
-from mmformer.cli import main  # noqa: E402
-from mmformer.model_card import ExportInfo, checkpoint_facts, render_card  # noqa: E402
-from mmformer.models import AttentionConfig, ClassifierHead, MultimodalModel, build_backbone  # noqa: E402
-from mmformer.models.backbone_config import BlockConfig, MlpConfig  # noqa: E402
-from mmformer.models.pretrained import llama  # noqa: E402
-from mmformer.models.pretrained.bert import build_bert, load_hf_bert  # noqa: E402
-from mmformer.models.pretrained.hf_export import (  # noqa: E402
+from mmformer.cli import main
+from mmformer.model_card import ExportInfo, checkpoint_facts, render_card
+from mmformer.models import AttentionConfig, ClassifierHead, MultimodalModel, build_backbone
+from mmformer.models.backbone_config import BlockConfig, MlpConfig
+from mmformer.models.pretrained import llama
+from mmformer.models.pretrained.bert import build_bert, load_hf_bert
+from mmformer.models.pretrained.hf_export import (
     bert_config,
     invert_key_map,
     save_hf_bert,
 )
-from mmformer.models.pretrained.timm_export import save_timm_vit, vit_config  # noqa: E402
-from mmformer.tokenizers import ViTPatchTokenizer  # noqa: E402
-from mmformer.tokenizers.text import TextEmbedding, TextTokenizer  # noqa: E402
-from tests.conftest import TINY_LLAMA  # noqa: E402
+from mmformer.models.pretrained.timm_export import save_timm_vit, vit_config
+from mmformer.tokenizers import ViTPatchTokenizer
+from mmformer.tokenizers.text import TextEmbedding, TextTokenizer
+from tests.conftest import TINY_LLAMA
 
 TINY_BERT = dict(
     vocab_size=61,
