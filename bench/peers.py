@@ -5,6 +5,9 @@
     python bench/peers.py --only vit,dit        # some of: vit, gpt2, llama, generate, dit
     python bench/peers.py --only generate --new-tokens 256   # longer generations
     python bench/peers.py --only generate --compile-decoding # mmformer's compiled decoding step
+    python bench/peers.py --only gpt2 --optimizer fused     # one AdamW kernel (both sides) instead of two
+    python bench/peers.py --only gpt2 --compile             # regional torch.compile, both sides
+    python bench/peers.py --optimizer platform              # each platform's default AdamW (secondary)
 
 Benchmarks (fp32, ``torch.set_num_threads(2)`` unless ``--threads``):
   vit       ViT-S/16 training step vs timm ``vit_small_patch16_224``            images/s
@@ -18,12 +21,27 @@ Benchmarks (fp32, ``torch.set_num_threads(2)`` unless ``--threads``):
 Each benchmark builds both models at one configuration, copies the weights across (or loads the same
 checkpoint into both) and checks they compute the same thing (forward outputs, the first step's loss,
 greedy ids) before timing. A training step is forward, the loss, backward and an AdamW step with the
-same settings on both sides (``--optimizer foreach`` / ``fused`` for the multi-tensor / fused AdamW), or
-with each platform's own AdamW kernel (``--optimizer platform``: mmformer's fused default vs torch's
-default, which timm and a plain ``torch.optim.AdamW`` use).
-After warm-up the two sides run alternately in this process (mmformer, peer, mmformer, peer, …), so
-both see the same machine state; printed: each side's median time and throughput, and the median and
-interquartile range of the per-pair ratios peer time / mmformer time (> 1: mmformer is faster).
+same settings on both sides.
+
+AdamW (``--optimizer``): the headline is the same kernel on both sides. ``same`` (the default) runs
+every training benchmark twice — ``fused`` vs ``fused``, then ``loop`` vs ``loop`` (the per-tensor
+for-loop, ``foreach=False``, torch's default on CPU) — and the summary prints that "same optimizer"
+table first. ``fused`` / ``loop`` / ``foreach`` / ``default`` (torch's own choice) run one kernel on
+both sides. ``platform`` (secondary, labelled so) compares out-of-the-box defaults: mmformer's recipes
+train with the fused kernel, a plain ``torch.optim.AdamW`` / timm's ``create_optimizer_v2`` use the loop
+— but a peer user gets the fused kernel with one flag (``fused=True``; transformers' Trainer defaults to
+``adamw_torch_fused``), so that ratio measures defaults, not implementations. Generation has no
+optimizer and runs once.
+
+``--compile``: mmformer's blocks are compiled as ``trainer.compile: true`` does
+(``mmformer.models.parallelize.compile_blocks``: regional, one ``torch.compile`` per block) and timed
+against the eager peer and against a copy of the peer whose blocks are compiled the same regional way
+(GPT-2 ``transformer.h``, Llama ``model.layers``, timm / DiT ``blocks``). The first-step losses are
+checked (1e-4 relative); compile time (the first steps minus as many ordinary steps) is printed apart.
+
+After warm-up the sides run alternately in this process (mmformer, peer, [compiled peer,] mmformer, …),
+so all see the same machine state; printed: each side's median time and throughput, and the median and
+interquartile range of the per-round ratios peer time / mmformer time (> 1: mmformer is faster).
 Uses only the model library (``mmformer.nn``, ``mmformer.models``, ``mmformer.tokenizers``) besides
 the peers themselves (timm, transformers).
 """
@@ -36,7 +54,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -52,9 +70,15 @@ class Settings:
     quick: bool
     pairs: int
     warmup: int
-    optimizer: str  # default | foreach | fused | platform
+    optimizer: (
+        str  # one AdamW kernel per run: fused | loop | foreach | default | platform ("same" → fused, loop)
+    )
     new_tokens: int = 64  # generate: tokens decoded per call
     compile_decoding: bool = False  # generate: mmformer decodes with generate(compile=True)
+    compile: bool = False  # training: regional per-block torch.compile (mmformer; and the peer, a 2nd column)
+
+
+OPTIMIZERS = ("same", "fused", "loop", "foreach", "default", "platform")
 
 
 @dataclass
@@ -69,11 +93,12 @@ class Result:
     q1: float
     q3: float
     pairs: int
+    optimizer: str = "-"  # the AdamW kernel (training); "-" for generation
+    mode: str = "eager"  # eager | compiled (mmformer compiled, the peer as its label says)
+    compile_s: tuple[float, float] | None = None  # (mmformer, peer) one-off compile seconds, when compiled
 
     def lines(self) -> list[str]:
         return [
-            f"  mmformer   {self.mm_s * 1e3:9.1f} ms   {self.units / self.mm_s:9.1f} {self.unit}",
-            f"  {self.peer:10} {self.peer_s * 1e3:9.1f} ms   {self.units / self.peer_s:9.1f} {self.unit}",
             f"  {self.peer} / mmformer time: median {self.ratio:.3f}, IQR {self.q1:.3f}–{self.q3:.3f} "
             f"over {self.pairs} pairs (> 1: mmformer faster)",
         ]
@@ -84,6 +109,49 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
+def paired_multi(
+    name: str,
+    mm_call: Callable[[], object],
+    peer_calls: list[tuple[str, Callable[[], object]]],
+    units: float,
+    unit: str,
+    s: Settings,
+    mm_label: str = "mmformer",
+    **extra,
+) -> tuple[list[Result], list[list[float]]]:
+    """Warm up all, then time them round-robin ``s.pairs`` times (mmformer, peer 1, peer 2, …); one
+    ``Result`` per peer, ratios per round. Also returns each side's warm-up times (mmformer first)."""
+    calls = [(mm_label, mm_call), *peer_calls]
+    warm: list[list[float]] = [[] for _ in calls]
+    for _ in range(s.warmup):
+        for i, (_, call) in enumerate(calls):
+            t0 = time.perf_counter()
+            call()
+            warm[i].append(time.perf_counter() - t0)
+    gc.collect()
+    gc.disable()  # no collector pauses inside a timed call (all sides alike)
+    times: list[list[float]] = [[] for _ in calls]
+    try:
+        for _ in range(s.pairs):
+            for i, (_, call) in enumerate(calls):
+                t0 = time.perf_counter()
+                call()
+                times[i].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    med = [statistics.median(t) for t in times]
+    for (label, _), m in zip(calls, med):
+        print(f"  {label:14} {m * 1e3:9.1f} ms   {units / m:9.1f} {unit}", flush=True)
+    results = []
+    for i, (label, _) in enumerate(peer_calls, 1):
+        q1, r, q3 = quartiles([b / a for a, b in zip(times[0], times[i])])
+        res = Result(name, label, unit, units, med[0], med[i], r, q1, q3, s.pairs, **extra)
+        for line in res.lines():
+            print(line, flush=True)
+        results.append(res)
+    return results, [[*w, m] for w, m in zip(warm, med)]
+
+
 def paired(
     name: str,
     peer: str,
@@ -92,33 +160,10 @@ def paired(
     units: float,
     unit: str,
     s: Settings,
+    **extra,
 ) -> Result:
     """Warm up both, then time them alternately ``s.pairs`` times; ratios are per pair."""
-    for _ in range(s.warmup):
-        mm_call()
-        peer_call()
-    gc.collect()
-    gc.disable()  # no collector pauses inside a timed call (both sides alike)
-    t_mm, t_peer = [], []
-    try:
-        for _ in range(s.pairs):
-            t0 = time.perf_counter()
-            mm_call()
-            t1 = time.perf_counter()
-            peer_call()
-            t2 = time.perf_counter()
-            t_mm.append(t1 - t0)
-            t_peer.append(t2 - t1)
-    finally:
-        gc.enable()
-    ratios = [b / a for a, b in zip(t_mm, t_peer)]
-    q1, med, q3 = quartiles(ratios)
-    r = Result(
-        name, peer, unit, units, statistics.median(t_mm), statistics.median(t_peer), med, q1, q3, s.pairs
-    )
-    for line in r.lines():
-        print(line, flush=True)
-    return r
+    return paired_multi(name, mm_call, [(peer, peer_call)], units, unit, s, **extra)[0][0]
 
 
 def check_close(what: str, got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:
@@ -133,10 +178,12 @@ def check_close(what: str, got: torch.Tensor, want: torch.Tensor, rel: float = 1
 
 
 def adamw(model: nn.Module, s: Settings, ours: bool) -> torch.optim.Optimizer:
-    """AdamW as ``--optimizer`` says: the same kernel on both sides (``default`` = torch's choice,
-    ``foreach``, ``fused``), or ``platform``: each side as its platform trains — mmformer's recipes use
-    the fused kernel (``optim.implementation``, ``mmformer.training.optim.adamw_kernel``), the peer
-    torch's default (what timm's ``create_optimizer_v2`` and a plain ``torch.optim.AdamW`` give)."""
+    """AdamW as ``s.optimizer`` says: the same kernel on both sides — ``fused``, ``loop`` (the per-tensor
+    for-loop, ``foreach=False``: torch's default on CPU), ``foreach`` (multi-tensor), ``default`` (torch's
+    own choice) — or ``platform``: each side as its platform trains out of the box — mmformer's recipes
+    use the fused kernel (``optim.implementation``, ``mmformer.training.optim.adamw_kernel``), the peer
+    torch's default (what timm's ``create_optimizer_v2`` and a plain ``torch.optim.AdamW`` give; a peer
+    user can switch on ``fused=True`` too, so this compares defaults, not implementations)."""
     if s.optimizer == "platform":
         kw = {}
         if ours:
@@ -144,7 +191,12 @@ def adamw(model: nn.Module, s: Settings, ours: bool) -> torch.optim.Optimizer:
 
             kw = adamw_kernel([{"params": list(model.parameters())}], "fused")
     else:
-        kw = {"foreach": {"foreach": True}, "fused": {"fused": True}, "default": {}}[s.optimizer]
+        kw = {
+            "foreach": {"foreach": True},
+            "fused": {"fused": True},
+            "loop": {"foreach": False},
+            "default": {},
+        }[s.optimizer]
     return torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.05, **kw)
 
 
@@ -168,6 +220,93 @@ def first_losses_match(mm_step, peer_step, rel: float = 1e-4) -> None:
     """Run the first step of each (same weights, same batch): their losses must agree."""
     a, b = mm_step(), peer_step()
     check_close("first-step loss", a, b, rel)
+
+
+def _warm_inductor() -> None:
+    """Compile a tiny forward and backward once, so the compiler's start-up (imports, C++ toolchain
+    checks, worker pools) lands in neither side's compile time."""
+    import torch._inductor.config
+
+    torch._inductor.config.force_disable_caches = True  # cold compiles: no graph cache from an earlier run
+    lin = nn.Linear(8, 8)
+    f = torch.compile(lambda x: F.gelu(lin(x)).sum())
+    f(torch.randn(2, 8, requires_grad=True)).backward()
+
+
+def compare_training(
+    name: str,
+    peer: str,
+    ours: nn.Module,
+    ref: nn.Module,
+    ours_loss: Callable[[nn.Module], torch.Tensor],
+    ref_loss: Callable[[nn.Module], torch.Tensor],
+    ref_blocks: Callable[[nn.Module], list[nn.Module]],
+    units: float,
+    unit: str,
+    s: Settings,
+    check_loss: bool = True,
+) -> list[Result]:
+    """Time mmformer's training step against the peer's (same weights, same batch, ``s.optimizer``).
+
+    ``s.compile``: mmformer's blocks compiled as ``trainer.compile: true`` does
+    (``mmformer.models.parallelize.compile_blocks``, regional per-block ``torch.compile``), timed
+    round-robin against the eager peer and against a copy of the peer whose blocks (``ref_blocks``)
+    are compiled the same regional way. Compile time: the first steps' time (the loss check and the
+    warm-up) minus as many timed steps' median."""
+    extra = {"optimizer": s.optimizer}
+    if not s.compile:
+        mm = train_step(ours, lambda: ours_loss(ours), s, ours=True)
+        peer_step = train_step(ref, lambda: ref_loss(ref), s)
+        if check_loss:
+            first_losses_match(mm, peer_step)
+        return [paired(name, peer, mm, peer_step, units, unit, s, **extra)]
+    import copy
+
+    from mmformer.models.parallelize import compile_blocks
+
+    _warm_inductor()  # the process's one-off compiler start-up is nobody's compile time
+    ref_c = copy.deepcopy(ref)  # before any step: the same weights as `ref` and `ours`
+    n_mm = compile_blocks(ours)
+    n_ref = 0
+    for block in ref_blocks(ref_c):
+        block.compile()
+        n_ref += 1
+    print(f"  regional torch.compile: mmformer {n_mm} blocks, {peer} {n_ref} blocks", flush=True)
+    mm = train_step(ours, lambda: ours_loss(ours), s, ours=True)
+    peer_step = train_step(ref, lambda: ref_loss(ref), s)
+    peer_c = train_step(ref_c, lambda: ref_loss(ref_c), s)
+
+    def timed(step):
+        t0 = time.perf_counter()
+        out = step()
+        return out, time.perf_counter() - t0
+
+    (a, t_mm), (c, t_pc), (b, _) = timed(mm), timed(peer_c), timed(peer_step)  # compiles here
+    if check_loss:  # compiled kernels reorder float sums: ~1e-4 relative
+        check_close("first-step loss, compiled mmformer vs eager peer", a, b, 1e-4)
+        check_close("first-step loss, compiled peer vs eager peer", c, b, 1e-4)
+    (r_eager, r_comp), warm = paired_multi(
+        name,
+        mm,
+        [(peer, peer_step), (f"{peer}+compile", peer_c)],
+        units,
+        unit,
+        s,
+        mm_label="mmformer+compile",
+        mode="compiled",
+        **extra,
+    )
+    # warm[i] = [warm-up times…, median]; compile ≈ first steps − as many ordinary steps
+    c_mm = t_mm + sum(warm[0][:-1]) - (1 + s.warmup) * warm[0][-1]
+    c_pc = t_pc + sum(warm[2][:-1]) - (1 + s.warmup) * warm[2][-1]
+    print(
+        f"  compile time (first {1 + s.warmup} steps minus as many timed): mmformer {c_mm:.1f} s, "
+        f"{peer}+compile {c_pc:.1f} s",
+        flush=True,
+    )
+    r_eager.compile_s = (c_mm, 0.0)
+    r_comp.compile_s = (c_mm, c_pc)
+    return [r_eager, r_comp]
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -227,10 +366,18 @@ def bench_vit(s: Settings) -> list[Result]:
     y = torch.randint(0, cfg["num_classes"], (batch,), generator=g)
     with torch.no_grad():
         check_close("logits (eval)", ours.eval()(x, "image", "cls"), ref.eval()(x), 1e-4)
-    mm = train_step(ours, lambda: F.cross_entropy(ours(x, "image", "cls"), y), s, ours=True)
-    peer = train_step(ref, lambda: F.cross_entropy(ref(x), y), s)
-    first_losses_match(mm, peer)
-    return [paired("vit", "timm", mm, peer, batch, "images/s", s)]
+    return compare_training(
+        "vit",
+        "timm",
+        ours,
+        ref,
+        lambda m: F.cross_entropy(m(x, "image", "cls"), y),
+        lambda m: F.cross_entropy(m(x), y),
+        lambda m: m.blocks,
+        batch,
+        "images/s",
+        s,
+    )
 
 
 # ---------------------------------------------------------------------------------------- (b) GPT-2
@@ -311,10 +458,18 @@ def bench_gpt2(s: Settings) -> list[Result]:
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         check_close("logits (eval)", ours.eval()(ids, "text", "lm"), ref.eval()(ids).logits, 1e-4)
-    mm = train_step(ours, lambda: lm_loss(ours(ids, "text", "lm"), ids), s, ours=True)
-    peer = train_step(ref, lambda: lm_loss(ref(ids).logits, ids), s)
-    first_losses_match(mm, peer)
-    return [paired("gpt2", "HF", mm, peer, batch * seq, "tokens/s", s)]
+    return compare_training(
+        "gpt2",
+        "HF",
+        ours,
+        ref,
+        lambda m: lm_loss(m(ids, "text", "lm"), ids),
+        lambda m: lm_loss(m(ids, use_cache=False).logits, ids),  # training: no KV cache
+        lambda m: m.transformer.h,
+        batch * seq,
+        "tokens/s",
+        s,
+    )
 
 
 # ---------------------------------------------------------------------------------------- (c) Llama
@@ -389,10 +544,18 @@ def bench_llama(s: Settings) -> list[Result]:
     import copy
 
     ours, ref = copy.deepcopy(ours), copy.deepcopy(ref)
-    mm = train_step(ours, lambda: lm_loss(ours(ids, "text", "lm"), ids), s, ours=True)
-    peer = train_step(ref, lambda: lm_loss(ref(ids).logits, ids), s)
-    first_losses_match(mm, peer)
-    return [paired("llama", "HF", mm, peer, batch * seq, "tokens/s", s)]
+    return compare_training(
+        "llama",
+        "HF",
+        ours,
+        ref,
+        lambda m: lm_loss(m(ids, "text", "lm"), ids),
+        lambda m: lm_loss(m(ids, use_cache=False).logits, ids),  # training: no KV cache
+        lambda m: m.model.layers,
+        batch * seq,
+        "tokens/s",
+        s,
+    )
 
 
 # ---------------------------------------------------------------------------------------- (d) generation
@@ -674,20 +837,62 @@ def bench_dit(s: Settings) -> list[Result]:
     target = torch.randn(batch, 2 * c_in, size, size, generator=g)
     with torch.no_grad():
         check_close("output (eval)", ours.eval()(x, "x", "eps", t=t, labels=y), ref.eval()(x, t, y), 1e-4)
-    mm = train_step(ours, lambda: F.mse_loss(ours(x, "x", "eps", t=t, labels=y), target), s, ours=True)
-    peer = train_step(ref, lambda: F.mse_loss(ref(x, t, y), target), s)
     # the first step's loss is not compared: label dropout draws differently on the two sides
-    return [paired("dit", "DiT ref", mm, peer, batch, "samples/s", s)]
+    return compare_training(
+        "dit",
+        "DiT ref",
+        ours,
+        ref,
+        lambda m: F.mse_loss(m(x, "x", "eps", t=t, labels=y), target),
+        lambda m: F.mse_loss(m(x, t, y), target),
+        lambda m: m.blocks,
+        batch,
+        "samples/s",
+        s,
+        check_loss=False,
+    )
 
 
 # ---------------------------------------------------------------------------------------- main
+def summary_table(title: str, results: list[Result]) -> None:
+    if not results:
+        return
+    print(f"\n{title}")
+    print(
+        f"{'benchmark':12} | {'AdamW':8} | {'mmformer':>10} | {'peer':>10} | {'peer / mm':>9} | {'IQR':>13} | "
+        "throughput mm / peer"
+    )
+    for r in results:
+        mm = "mmformer+c" if r.mode == "compiled" else "mmformer"
+        print(
+            f"{r.name:12} | {r.optimizer:8} | {r.mm_s * 1e3:8.1f}ms | {r.peer_s * 1e3:8.1f}ms | {r.ratio:9.3f} | "
+            f"{r.q1:.3f}–{r.q3:.3f} | {r.units / r.mm_s:.1f} / {r.units / r.peer_s:.1f} {r.unit} ({mm} vs {r.peer})"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes, few pairs: checks the script works")
     p.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {BENCHMARKS}")
     p.add_argument("--pairs", type=int, default=None, help="timed pairs (default 12; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="untimed pairs first (default 2; 1 with --quick)")
-    p.add_argument("--optimizer", choices=("default", "foreach", "fused", "platform"), default="default")
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="same",
+        help="AdamW kernel of the training steps. same (default): each training benchmark twice, the same "
+        "kernel on both sides — fused, then loop (the per-tensor for-loop, foreach=False, torch's CPU "
+        "default). fused / loop / foreach / default (torch's choice): that one kernel on both sides. "
+        "platform (secondary): each platform's out-of-the-box kernel — mmformer fused, the peer torch's "
+        "default loop",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="training: compile mmformer's blocks as trainer.compile: true does (regional per-block "
+        "torch.compile) and time it against the eager peer and against the peer with its blocks compiled "
+        "the same way; compile time is printed separately",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=64, help="generate: new tokens per call (default 64)")
     p.add_argument(
@@ -708,10 +913,13 @@ def main() -> None:
         optimizer=a.optimizer,
         new_tokens=a.new_tokens,
         compile_decoding=a.compile_decoding,
+        compile=a.compile,
     )
+    optimizers = ("fused", "loop") if s.optimizer == "same" else (s.optimizer,)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, AdamW ({s.optimizer}), "
-        f"{s.pairs} pairs after {s.warmup} warm-up",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, AdamW "
+        f"{' then '.join(optimizers)}{' (same kernel on both sides)' if s.optimizer != 'platform' else ''}"
+        f"{', mmformer blocks compiled' if s.compile else ''}, {s.pairs} pairs after {s.warmup} warm-up",
         flush=True,
     )
     start = time.perf_counter()
@@ -724,18 +932,36 @@ def main() -> None:
         "dit": bench_dit,
     }
     for name in BENCHMARKS:
-        if name in only:
+        if name not in only:
+            continue
+        for opt in optimizers if name != "generate" else ("-",):  # decoding has no optimizer: once
             torch.manual_seed(0)
-            results += fns[name](s)
-    print(f"\nsummary ({time.perf_counter() - start:.0f} s)")
-    print(
-        f"{'benchmark':12} | {'mmformer':>10} | {'peer':>10} | {'peer / mm':>9} | {'IQR':>13} | throughput mm / peer"
+            results += fns[name](replace(s, optimizer=opt) if opt != "-" else s)
+            gc.collect()
+    print(f"\nsummary ({time.perf_counter() - start:.0f} s); peer / mm > 1: mmformer faster")
+    train = [r for r in results if r.optimizer != "-"]
+    summary_table(
+        "same optimizer (headline): the same AdamW kernel on both sides, eager",
+        [r for r in train if r.optimizer != "platform" and r.mode == "eager"],
     )
-    for r in results:
-        print(
-            f"{r.name:12} | {r.mm_s * 1e3:8.1f}ms | {r.peer_s * 1e3:8.1f}ms | {r.ratio:9.3f} | "
-            f"{r.q1:.3f}–{r.q3:.3f} | {r.units / r.mm_s:.1f} / {r.units / r.peer_s:.1f} {r.unit} ({r.peer})"
-        )
+    compiled = [r for r in train if r.mode == "compiled"]
+    summary_table(
+        "compiled: mmformer's blocks torch.compiled (regional, as trainer.compile: true) vs the peer eager "
+        "and vs the peer's blocks compiled the same way",
+        compiled,
+    )
+    for r in compiled:
+        if r.peer.endswith("+compile"):
+            print(
+                f"  {r.name} [{r.optimizer}] compile time (untimed, one-off): mmformer {r.compile_s[0]:.1f} s, "
+                f"{r.peer} {r.compile_s[1]:.1f} s"
+            )
+    summary_table(
+        "platform defaults (secondary): mmformer's fused AdamW vs the peer's torch default (per-tensor loop) — "
+        "a peer user can switch on fused=True too",
+        [r for r in train if r.optimizer == "platform"],
+    )
+    summary_table("generation (no optimizer)", [r for r in results if r.optimizer == "-"])
 
 
 if __name__ == "__main__":

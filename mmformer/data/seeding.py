@@ -32,10 +32,15 @@ def sample_seed(seed: int, epoch: int, key: int | str) -> int:
 
 @contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """Run the block with torch's CPU generator seeded by ``seed``; its previous state is restored after."""
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that also reseeds CUDA's
+    """Run the block with torch's CPU generator seeded by ``seed``; its previous state is restored after
+    (what ``torch.random.fork_rng(devices=[])`` does, at half its cost: it runs once per sample)."""
+    generator = torch.default_generator
+    state = generator.get_state()
+    generator.manual_seed(seed)  # not torch.manual_seed: that also reseeds CUDA's
+    try:
         yield
+    finally:
+        generator.set_state(state)
 
 
 class SeededSamples(Dataset):

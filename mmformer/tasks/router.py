@@ -75,11 +75,34 @@ def all_finite(params: list[torch.Tensor], reduce=None) -> bool:
 def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all ``param.grad`` together (before clipping); FSDP2 shards are reduced over
     ranks, so every rank logs the full model's norm."""
+    return _local_norm(_grad_norm(params))
+
+
+def _grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` of the gradients (what ``clip_grad_norm_`` computes first; a
+    DTensor for FSDP2 shards)."""
     grads = [p.grad for p in params]
-    if not grads:
-        return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    return torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+
+
+def _local_norm(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def checked_grad_norm(params: list[torch.Tensor], reduce=None) -> tuple[torch.Tensor, bool]:
+    """``(norm, finite)``: the gradients' total 2-norm (as ``get_total_norm`` gives it: a DTensor for
+    FSDP2 shards) and whether every gradient is finite on every rank. A NaN or ±inf entry makes the norm
+    NaN or inf, so the one pass that clipping and the logged norm need answers the check too, where a
+    check per tensor cost 4 operations per parameter every step. Only a non-finite norm (a non-finite
+    entry, or finite entries whose squares overflow) falls back to ``all_finite``, which tells the two
+    apart. ``reduce`` as in ``all_finite``: all ranks decide together."""
+    norm = _grad_norm(params)
+    bad = (~torch.isfinite(_local_norm(norm))).to(torch.float32)
+    if reduce is not None:
+        bad = reduce(bad, reduce_op="sum")
+    if bool(bad == 0):
+        return norm, True
+    return norm, all_finite(params, reduce)
 
 
 def _shapes(batch: dict) -> str:
@@ -319,17 +342,34 @@ class MultiTaskModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         # After backward (and DDP's gradient all-reduce), before clipping and the update.
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        checked = params
+        self._step_norm = None
+        # only on the steps whose row Lightning writes: (steps before this one + 1) % log_every_n_steps == 0
+        logged = (logged_step(self.trainer) + 1) % max(1, self.trainer.log_every_n_steps) == 0
         if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
-            checked = []  # 16-mixed: GradScaler skips overflowing steps itself and lowers the scale
+            # 16-mixed: GradScaler skips overflowing steps itself and lowers the scale
+            if logged:
+                self.log("train/grad_norm", total_grad_norm(params))
+            return
         reduce = self.trainer.strategy.reduce if self.trainer.world_size > 1 else None
-        if not all_finite(checked, reduce):
+        norm, finite = checked_grad_norm(params, reduce)
+        if not finite:
             self._skip_update(params)
             return
         self.nonfinite_in_a_row = 0
-        # only on the steps whose row Lightning writes: (steps before this one + 1) % log_every_n_steps == 0
-        if (logged_step(self.trainer) + 1) % max(1, self.trainer.log_every_n_steps) == 0:
-            self.log("train/grad_norm", total_grad_norm(params))
+        self._step_norm = (params, norm)  # the clipping that follows needs the same norm
+        if logged:
+            self.log("train/grad_norm", _local_norm(norm))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Clipping by norm reuses the norm ``on_before_optimizer_step`` just computed (the same
+        ``clip_grads_with_norm_`` that ``clip_grad_norm_`` ends with: the same gradients, one pass over
+        them fewer); other cases are Lightning's."""
+        known, self._step_norm = getattr(self, "_step_norm", None), None
+        if known is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            params, norm = known
+            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ non-finite steps
     def _skip_update(self, params: list[torch.Tensor]) -> None:

@@ -142,7 +142,8 @@ class ImagePreprocess:
     Args:
         image_size: output side in pixels.
         in_chans: 1 → grayscale ("L"), 3 → RGB.
-        train_transforms: optional torchvision v2 transforms for uint8 tensors (augmentation).
+        train_transforms: optional transforms of the uint8 tensor (augmentation; torchvision v2 ones or any
+            callable), applied in order.
 
     Raises ``ValueError`` for ``in_chans`` other than 1 or 3.
     """
@@ -156,7 +157,7 @@ class ImagePreprocess:
         self.image_size = image_size
         self.resize = v2.Compose([v2.Resize(image_size), v2.CenterCrop(image_size)])
         self.to_tensor = v2.PILToTensor()
-        self.train_transforms = v2.Compose(list(train_transforms)) if train_transforms else None
+        self.train_transforms = list(train_transforms or [])
 
     def load(self, image) -> Tensor:
         image = image.convert(self.mode)
@@ -165,7 +166,9 @@ class ImagePreprocess:
         return self.to_tensor(image)  # (C, H, W) uint8
 
     def augment(self, pixels: Tensor) -> Tensor:
-        return self.train_transforms(pixels) if self.train_transforms is not None else pixels
+        for transform in self.train_transforms:
+            pixels = transform(pixels)
+        return pixels
 
     def __call__(self, image) -> Tensor:
         return self.augment(self.load(image))

@@ -98,6 +98,9 @@ class ThroughputLogger(L.Callback):
     ``throughput/modality/<modality>/samples_per_sec``: the rate over the wall time of the steps that
     held that task (or modality), counted as if every rank ran it — under ``multitask.schedule: sampled``
     the speed of each task alone, under ``all`` the rate its data is consumed at.
+
+    The meters advance every step; the values are logged on the steps whose row the loggers write (every
+    ``trainer.log_every_n_steps``), so the progress bar shows them as of the last written row.
     """
 
     def __init__(self, window_size: int | None = None):
@@ -166,10 +169,15 @@ class ThroughputLogger(L.Callback):
             for key in keys:
                 g = groups.setdefault(key, [0, 0, flops if len(present) == 1 else None])
                 g[0], g[1] = g[0] + samples, g[1] + tokens
+        # the meters advance every step; the values are logged only on the steps whose row Lightning
+        # writes (``log_every_n_steps``), as the gradient norm is: ``self.log`` costs more than the meters
+        written = (logged_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0
         for key, (samples, tokens, step_flops) in groups.items():
             rate = self.rates.setdefault(key, _Rate(self.window, self.world, self.available))
-            self._log(pl_module, key, rate.update(seconds, samples, tokens, step_flops), prog_bar=key == "")
-        if len(self.waits) >= 2:
+            rates = rate.update(seconds, samples, tokens, step_flops)
+            if written:
+                self._log(pl_module, key, rates, prog_bar=key == "")
+        if written and len(self.waits) >= 2:
             pl_module.log(
                 "throughput/data_wait", sum(w for w, _ in self.waits) / sum(s for _, s in self.waits)
             )

@@ -27,11 +27,10 @@ class ImageFolderDataConfig(LoaderConfig):
     batch_size: int = 64
     num_workers: int = 2
     cache: bool = False  # keep decoded images in memory (small datasets)
-    crop_padding: int = 0  # training augmentation: RandomCrop(image_size, padding)
+    crop_padding: int = 0  # training augmentation: RandomCrop(image_size, padding) (data.crop_flip)
     hflip: bool = False  # training augmentation: horizontal flips
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         super().__post_init__()
         if self.crop_padding < 0:
             raise ValueError(f"crop_padding must be >= 0, got {self.crop_padding}")
