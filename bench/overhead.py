@@ -3,6 +3,7 @@
     python bench/overhead.py                                          # the quickstart recipe
     python bench/overhead.py recipes/text/gpt_mini_lm_kjv.yaml --steps 120 --warmup 20
     python bench/overhead.py RECIPE --only bare-memory,bare,mmformer --rounds 5
+    python bench/overhead.py --data-path                              # the loader alone, old vs new
 
 Every variant trains the recipe's model (built by ``build_module``, the same code and initialisation)
 for ``--steps`` optimizer steps on one process and reports the mean wall time per step over the steps
@@ -26,6 +27,11 @@ The variants run interleaved, ``--rounds`` times (bare-memory, bare, mmformer, �
 sees the same machine state; the table gives each variant's median over the rounds and the median of
 the per-round ratios to ``bare-memory`` (the overhead: ``mmformer`` / ``bare-memory`` − 1) and to
 ``bare``. Imports Lightning and the whole platform (unlike the model-library benches).
+
+``--data-path`` times the training loader alone of an image-folder recipe with crop / flip augmentation:
+batches of the recipe's size drawn with torchvision v2's ``RandomCrop`` / ``RandomHorizontalFlip`` inside
+``torch.random.fork_rng`` per sample (how mmformer augmented before ``data.crop_flip``) against
+``RandomCropFlip`` inside ``seeding.seeded`` (the same pixels), alternately, ``--rounds`` × 4 times.
 """
 
 from __future__ import annotations
@@ -105,6 +111,62 @@ def bare_loop(recipe, steps: int, warmup: int, in_memory: bool) -> float:
     return (stamps[-1] - stamps[warmup]) / (steps - warmup)
 
 
+# ------------------------------------------------------------------------------------------ data path
+def data_path(recipe_path: str, rounds: int, batches: int = 10) -> None:
+    """ms per training batch: torchvision's transforms under ``fork_rng`` vs ``RandomCropFlip`` under
+    ``seeded``, interleaved."""
+    from torchvision.transforms import v2
+
+    import mmformer.data.seeding as seeding
+    from mmformer.build import BuildContext, build_datamodule
+
+    recipe = load(recipe_path, 1, 1)
+    datamodule = build_datamodule(recipe, BuildContext(recipe))
+    datamodule.setup()
+    name, data = next(iter(datamodule.data.items()))
+    transform = data.train.transform
+    new_steps = list(transform.train_transforms)
+    (crop_flip,) = new_steps  # an image-folder recipe with crop_padding / hflip
+    old_steps = [v2.RandomCrop(crop_flip.size, padding=crop_flip.padding)] if crop_flip.padding else []
+    old_steps += [v2.RandomHorizontalFlip(crop_flip.flip_p)] if crop_flip.flip_p else []
+    new_seeded = seeding.seeded
+
+    @contextlib.contextmanager
+    def old_seeded(seed: int):
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            yield
+
+    loader = datamodule.train_dataloader()
+    for _ in itertools.islice(loader, len(loader)):  # the first epoch fills the decoded-image cache
+        pass
+
+    def per_batch(old: bool) -> float:
+        transform.train_transforms = [v2.Compose(old_steps)] if old else new_steps
+        seeding.seeded = old_seeded if old else new_seeded
+        it = iter(loader)
+        start = time.perf_counter()
+        for _ in range(batches):
+            next(it)
+        return (time.perf_counter() - start) / batches
+
+    times = {True: [], False: []}
+    try:
+        for _ in range(4 * rounds):
+            for old in (True, False):
+                times[old].append(per_batch(old))
+    finally:
+        transform.train_transforms, seeding.seeded = new_steps, new_seeded
+    ratios = sorted(o / n for o, n in zip(times[True], times[False]))
+    q = statistics.quantiles(ratios, n=4)
+    print(
+        f"{name}: a training batch of {data.batch_size}: torchvision + fork_rng "
+        f"{statistics.median(times[True]) * 1e3:.1f} ms, RandomCropFlip + seeded "
+        f"{statistics.median(times[False]) * 1e3:.1f} ms; ratio {statistics.median(ratios):.2f} "
+        f"(IQR {q[0]:.2f}–{q[2]:.2f}, {len(ratios)} rounds of {batches} batches)"
+    )
+
+
 # ------------------------------------------------------------------------------------------ the platform
 class StepClock(L.Callback):
     """The wall-clock time at the start of every training step and at the end of training."""
@@ -180,7 +242,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on every side (default 1)")
     p.add_argument("--only", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
+    p.add_argument("--data-path", action="store_true", help="time the training loader alone, old vs new")
     a = p.parse_args()
+    if a.data_path:
+        torch.set_num_threads(a.threads)
+        data_path(a.recipe, a.rounds)
+        return
     only = [v.strip() for v in a.only.split(",") if v.strip()]
     unknown = sorted(set(only) - set(VARIANTS))
     if unknown:
