@@ -20,6 +20,7 @@ import random
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
@@ -29,7 +30,7 @@ from ..models.backbone import Backbone
 from ..models.model import MultimodalModel
 from ..training.checkpoint_io import resume_hint
 from ..training.optim import build_optimizer, build_scheduler
-from ..training.steps import forget_step_values, logged_step
+from ..training.steps import forget_step_values
 from .base import Task
 
 
@@ -343,8 +344,8 @@ class MultiTaskModule(L.LightningModule):
         # After backward (and DDP's gradient all-reduce), before clipping and the update.
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self._step_norm = None
-        # only on the steps whose row Lightning writes: (steps before this one + 1) % log_every_n_steps == 0
-        logged = (logged_step(self.trainer) + 1) % max(1, self.trainer.log_every_n_steps) == 0
+        # only on the steps whose row Lightning writes (every log_every_n_steps, and when the run stops)
+        logged = self.trainer._logger_connector.should_update_logs
         if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
             # 16-mixed: GradScaler skips overflowing steps itself and lowers the scale
             if logged:
@@ -363,9 +364,19 @@ class MultiTaskModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Clipping by norm reuses the norm ``on_before_optimizer_step`` just computed (the same
         ``clip_grads_with_norm_`` that ``clip_grad_norm_`` ends with: the same gradients, one pass over
-        them fewer); other cases are Lightning's."""
+        them fewer) under the default and mixed precision plugins; other cases (clipping by value, a
+        value <= 0, a scaler, FSDP1's and DeepSpeed's plugins) are Lightning's."""
         known, self._step_norm = getattr(self, "_step_norm", None), None
-        if known is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+        plugin = type(self.trainer.precision_plugin)
+        if (
+            known is not None
+            and gradient_clip_val is not None
+            and gradient_clip_val > 0
+            and gradient_clip_algorithm in (None, "norm")
+            # precision plugins with their own clipping (FSDP1 refuses it, DeepSpeed clips itself) keep it
+            and plugin.clip_grad_by_norm is Precision.clip_grad_by_norm
+            and plugin.clip_gradients in (Precision.clip_gradients, MixedPrecision.clip_gradients)
+        ):
             params, norm = known
             torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
             return

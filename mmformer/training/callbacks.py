@@ -171,7 +171,7 @@ class ThroughputLogger(L.Callback):
                 g[0], g[1] = g[0] + samples, g[1] + tokens
         # the meters advance every step; the values are logged only on the steps whose row Lightning
         # writes (``log_every_n_steps``), as the gradient norm is: ``self.log`` costs more than the meters
-        written = (logged_step(trainer) + 1) % max(1, trainer.log_every_n_steps) == 0
+        written = trainer._logger_connector.should_update_logs  # (as ``history.held_row`` reads it)
         for key, (samples, tokens, step_flops) in groups.items():
             rate = self.rates.setdefault(key, _Rate(self.window, self.world, self.available))
             rates = rate.update(seconds, samples, tokens, step_flops)

@@ -26,6 +26,7 @@ def reference(size: int, padding: int, hflip: bool):
         ((3, 32, 32), 32, 0, True),  # flip only
         ((3, 9, 7), 6, 1, True),  # a non-square image, a smaller window
         ((2, 5, 5), 5, 5, False),  # padding as large as the image: windows of nothing but padding
+        ((1, 28, 28), 4, 20, True),  # padding beyond the window: windows wholly above / left of the image
     ],
 )
 def test_equals_torchvision_draw_for_draw(shape, size, padding, hflip):
@@ -54,7 +55,7 @@ def test_output_does_not_share_memory_with_the_cached_image():
 
 
 def test_refuses_a_window_larger_than_the_padded_image():
-    with pytest.raises(ValueError, match="larger than input image size"):
+    with pytest.raises(ValueError, match="larger than padded input image size"):
         RandomCropFlip(32, 1)(torch.zeros(1, 28, 28, dtype=torch.uint8))
     with pytest.raises(ValueError, match="padding must be >= 0"):
         RandomCropFlip(28, -1)
