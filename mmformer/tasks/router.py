@@ -171,6 +171,7 @@ class MultiTaskModule(L.LightningModule):
         self._window_loss: dict[str, list] = {}  # task → [Σ loss·units, units, micro-batches] this window
         self._window_steps = 0  # micro-batches of this rank's window so far
         self._window_totals: list[list[float]] = []  # per task: micro-batches, units, over all ranks
+        self._step_norm = None  # (params, gradient norm) of this optimizer step, for its clipping
 
     def configure_model(self) -> None:
         """Activation checkpointing, ``torch.compile`` and FSDP2 sharding, per block, in that order
@@ -366,7 +367,7 @@ class MultiTaskModule(L.LightningModule):
         ``clip_grads_with_norm_`` that ``clip_grad_norm_`` ends with: the same gradients, one pass over
         them fewer) under the default and mixed precision plugins; other cases (clipping by value, a
         value <= 0, a scaler, FSDP1's and DeepSpeed's plugins) are Lightning's."""
-        known, self._step_norm = getattr(self, "_step_norm", None), None
+        known, self._step_norm = self._step_norm, None
         plugin = type(self.trainer.precision_plugin)
         if (
             known is not None
