@@ -114,7 +114,10 @@ class KVCache:
         self.positions, self.span_open = self.positions[:, :length], None
 
     def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:
-        """Append the new tokens' metadata (called once per forward, after every layer ran)."""
-        cat = lambda old, new: new if old is None else torch.cat([old, new], dim=1)
+        """Append the new tokens' metadata (called once per forward, after every layer ran). The first
+        call stores copies, not the caller's tensors: those may be views (an ``expand``), and a compiled
+        decoding step guards on it — a view after the prompt and a fresh tensor after every ``cat`` would
+        compile the whole step twice."""
+        cat = lambda old, new: new.clone() if old is None else torch.cat([old, new], dim=1)
         self.valid, self.document = cat(self.valid, valid), cat(self.document, document)
         self.positions = cat(self.positions, positions)

@@ -176,6 +176,20 @@ def test_a_cache_told_its_capacity_allocates_once():
     assert cache._buffers[0][0].shape[2] > 9 and cache.keys[0].shape[2] == 10
 
 
+def test_the_cache_keeps_its_own_metadata_not_views_of_the_callers():
+    """The first ``extend`` stores copies: a caller's ``expand``-ed positions would otherwise sit in the
+    cache as a view after the prompt and as a fresh tensor after the first ``cat``, and a compiled
+    decoding step (which guards on it) compiled twice."""
+    cache = KVCache()
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    positions = torch.arange(3).view(1, 3, 1).expand(2, 3, 1)  # a view, as from_embeddings gives
+    cache.extend(valid, torch.zeros(2, 3, dtype=torch.long), positions)
+    assert cache.positions._base is None and torch.equal(cache.positions, positions)
+    step = cache.next_positions(torch.ones(2, 1, dtype=torch.bool))
+    cache.extend(torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 1, dtype=torch.long), step)
+    assert cache.positions._base is None and cache.positions[:, -1, 0].tolist() == [3, 3]
+
+
 def _text_lm(max_len=None, **backbone):
     """A causal text model through ``MultimodalModel`` (tokenizer ``text``, head ``lm``)."""
     from mmformer.models import MultimodalModel

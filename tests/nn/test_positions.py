@@ -92,3 +92,15 @@ def test_resample_pos_embed():
     seq = torch.arange(4.0).view(1, 4, 1)
     assert resample_pos_embed(seq, 4).flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
     assert resample_pos_embed(seq, 8).shape == (1, 8, 1)
+
+
+def test_rope_traces_as_one_graph():
+    """The sections' axis index is built from Python ints: no data-dependent size, so a compiled decoding
+    step does not break (and re-enter) its graph at every RoPE (``torch._dynamo.explain``)."""
+    rope = RotaryEmbedding(16, n_axes=2, sections=[3, 5])
+    positions = torch.randint(0, 50, (2, 5, 2))
+    explained = torch._dynamo.explain(rope)(positions)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    cos, sin = rope(positions)
+    pos = positions.float()[..., [0] * 3 + [1] * 5] * rope.inv_freq()  # the sections, written out
+    torch.testing.assert_close(cos, torch.cat([pos, pos], -1).unsqueeze(1).cos())
