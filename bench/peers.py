@@ -5,6 +5,7 @@
     python bench/peers.py --only vit,dit        # some of: vit, gpt2, llama, generate, dit
     python bench/peers.py --only generate --new-tokens 256   # longer generations
     python bench/peers.py --only generate --compile-decoding # mmformer's compiled decoding step
+    python bench/peers.py --only generate --compile-decoding --peer-compile  # + HF static cache + compile
     python bench/peers.py --only gpt2 --optimizer fused     # one AdamW kernel (both sides) instead of two
     python bench/peers.py --only gpt2 --compile             # regional torch.compile, both sides
     python bench/peers.py --optimizer platform              # each platform's default AdamW (secondary)
@@ -15,6 +16,7 @@ Benchmarks (fp32, ``torch.set_num_threads(2)`` unless ``--threads``):
   llama     SmolLM2-135M training step vs transformers ``LlamaForCausalLM`` (sdpa) tokens/s
   generate  greedy KV-cache decoding of the real SmolLM2-135M-Instruct, batch 1 and 4 (left-padded),
             ``mmformer.models.generate.generate`` vs ``LlamaForCausalLM.generate``  new tokens/s
+            (and the time to the first token: the prompt's forward + one token)   first tokens/s
   dit       DiT-S/2 training step vs the DiT paper's model (facebookresearch/DiT ``models.py``, rebuilt
             below from timm's ``PatchEmbed`` / ``Attention`` / ``Mlp``)              samples/s
 
@@ -75,6 +77,7 @@ class Settings:
     )
     new_tokens: int = 64  # generate: tokens decoded per call
     compile_decoding: bool = False  # generate: mmformer decodes with generate(compile=True)
+    peer_compile: bool = False  # generate, with compile_decoding: also transformers' static cache + compile
     compile: bool = False  # training: regional per-block torch.compile (mmformer; and the peer, a 2nd column)
 
 
@@ -567,6 +570,19 @@ PROMPTS = [
 ]
 
 
+def static_compiled(cfg):
+    """A copy of the generation config ``cfg`` on transformers' documented fast decoding path: a static KV
+    cache and the automatic ``torch.compile`` of the forward that comes with it (``cache_implementation=
+    "static"`` + ``CompileConfig``; on the CPU transformers compiles only when asked, ``_compile_all_devices``)."""
+    from transformers import CompileConfig
+
+    out = cfg.__class__.from_dict(cfg.to_dict())
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True
+    out.update(cache_implementation="static", compile_config=compile_config)
+    return out
+
+
 def bench_generate(s: Settings) -> list[Result]:
     from mmformer.models.generate import generate
 
@@ -592,31 +608,81 @@ def bench_generate(s: Settings) -> list[Result]:
             flush=True,
         )
 
-        def mm_call(ids=ids, valid=valid):
+        def mm_call(ids=ids, valid=valid, new=new):
             return generate(ours, "text", "lm", ids, valid, new, compile=s.compile_decoding)
 
-        def peer_call(hf_ids=hf_ids, valid=valid):
+        def peer_call(hf_ids=hf_ids, valid=valid, cfg=gen_cfg):
             with torch.no_grad():
-                return ref.generate(input_ids=hf_ids, attention_mask=valid.long(), generation_config=gen_cfg)
+                return ref.generate(input_ids=hf_ids, attention_mask=valid.long(), generation_config=cfg)
 
+        one_cfg = gen_cfg.__class__.from_dict(gen_cfg.to_dict())
+        one_cfg.update(max_new_tokens=1)
+        peers = [("HF", peer_call)]
+        first = [("HF", lambda hf_ids=hf_ids, valid=valid, cfg=one_cfg: peer_call(hf_ids, valid, cfg))]
+        compile_s = [0.0, 0.0]
         if s.compile_decoding:
             t = time.perf_counter()
             mm_call()
+            compile_s[0] = time.perf_counter() - t
+            print(f"  compiled mmformer's decoding step in {compile_s[0]:.0f} s (untimed)", flush=True)
+        if s.compile_decoding and s.peer_compile:
+            static_cfg, one_static = static_compiled(gen_cfg), static_compiled(one_cfg)
+            t = time.perf_counter()
+            peer_call(hf_ids, valid, static_cfg)
+            compile_s[1] = time.perf_counter() - t
             print(
-                f"  compiled mmformer's decoding step in {time.perf_counter() - t:.0f} s (untimed)",
-                flush=True,
+                f"  compiled transformers' static-cache forward in {compile_s[1]:.0f} s (untimed)", flush=True
             )
-        got, want = mm_call(), peer_call()[:, ids.shape[1] :].tolist()
-        assert [len(g) for g in got] == [len(w) for w in want] == [new] * batch, "a side stopped early"
-        same = sum(a == b for a, b in zip(got, want))
-        agree = [
-            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            for a, b in zip(got, want)
-        ]
-        print(f"  check greedy ids: {same}/{batch} rows identical (first difference at {agree})", flush=True)
-        if same != batch:
-            raise AssertionError(f"greedy generations differ: rows agree for {agree} tokens of {new}")
-        results.append(paired(f"generate b{batch}", "HF", mm_call, peer_call, batch * new, "new tokens/s", s))
+            peers.append(
+                (
+                    "HF static+compile",
+                    lambda hf_ids=hf_ids, valid=valid, cfg=static_cfg: peer_call(hf_ids, valid, cfg),
+                )
+            )
+            first.append(
+                (
+                    "HF static+compile",
+                    lambda hf_ids=hf_ids, valid=valid, cfg=one_static: peer_call(hf_ids, valid, cfg),
+                )
+            )
+        got = mm_call()
+        for label, call in peers:
+            want = call()[:, ids.shape[1] :].tolist()
+            assert [len(g) for g in got] == [len(w) for w in want] == [new] * batch, f"{label} stopped early"
+            same = sum(a == b for a, b in zip(got, want))
+            agree = [
+                next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                for a, b in zip(got, want)
+            ]
+            print(
+                f"  check greedy ids vs {label}: {same}/{batch} rows identical (first difference at {agree})"
+            )
+            if same != batch:
+                raise AssertionError(f"greedy generations differ: rows agree for {agree} tokens of {new}")
+        mode = "compiled" if s.compile_decoding else "eager"
+        rs, _ = paired_multi(
+            f"generate b{batch}",
+            mm_call,
+            peers,
+            batch * new,
+            "new tokens/s",
+            s,
+            mode=mode,
+            compile_s=tuple(compile_s),
+        )
+        results += rs
+        # time to first token: the prompt's forward and its one sampled token (calls for a single new token)
+        print(f"  time to first token, batch {batch}:", flush=True)
+        rs, _ = paired_multi(
+            f"first token b{batch}",
+            lambda ids=ids, valid=valid: mm_call(ids, valid, 1),
+            first,
+            batch,
+            "first tokens/s",
+            s,
+            mode=mode,
+        )
+        results += rs
     return results
 
 
@@ -900,6 +966,12 @@ def main() -> None:
         action="store_true",
         help="generate: mmformer decodes with a compiled graph (generate(compile=True); compiled before timing)",
     )
+    p.add_argument(
+        "--peer-compile",
+        action="store_true",
+        help="generate, with --compile-decoding: time transformers' documented fast path too (static KV "
+        "cache + its automatic torch.compile), compiled before timing",
+    )
     a = p.parse_args()
     only = [b.strip() for b in a.only.split(",") if b.strip()]
     unknown = set(only) - set(BENCHMARKS)
@@ -913,6 +985,7 @@ def main() -> None:
         optimizer=a.optimizer,
         new_tokens=a.new_tokens,
         compile_decoding=a.compile_decoding,
+        peer_compile=a.peer_compile,
         compile=a.compile,
     )
     optimizers = ("fused", "loop") if s.optimizer == "same" else (s.optimizer,)

@@ -12,8 +12,9 @@ Measured on the real SmolLM2-135M, 2 CPU threads, against transformers' ``genera
 batch 1 **1.46×**, batch 4 **1.37×** its speed, the same greedy ids (``python bench/peers.py --only
 generate --compile-decoding``; eager mmformer is at parity with it).
 
-Costs: the first call compiles (about 2–4 minutes for SmolLM2's 30 blocks on 2 cores, partly
-cached by inductor on disk for later processes); prepacked weights may add a copy in memory.
+Costs: the first call compiles (about 1.5 minutes for SmolLM2's 30 blocks at batch 1, 1 thread;
+every process again: inductor's on-disk cache skips graphs holding prepacked weights); prepacked
+weights may add a copy in memory.
 Shapes are dynamic (``dynamic=True``): a growing cache, another prompt length or capacity do not
 recompile; going from batch 1 to more rows does, once.
 
