@@ -137,7 +137,7 @@ def accuracy(
             "acc": float(acc) if acc else None,
             "error": r.get("error"),
             "seconds": round(r["seconds"], 1),
-            "steps": steps,
+            "steps": steps or "recipe",
             "set": extra,
         }
         cell = f"{row['acc']:.3f}" if acc else f"error: {(r.get('error') or '?')[:60]}"
@@ -147,6 +147,11 @@ def accuracy(
                 f.write(json.dumps(row) + "\n")
         return row
 
+    unknown = [t for t in tasks if t not in RECIPES] + [k for k in kernels if k not in KERNELS]
+    if unknown:
+        raise SystemExit(
+            f"unknown tasks / kernels {unknown}; tasks: {list(RECIPES)}, kernels: {list(KERNELS)}"
+        )
     pairs = [(t, k) for t in tasks for k in kernels]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rows = list(pool.map(lambda tk: one(*tk), pairs))

@@ -655,10 +655,13 @@ def bench_generate(s: Settings) -> list[Result]:
                 for a, b in zip(got, want)
             ]
             print(
-                f"  check greedy ids vs {label}: {same}/{batch} rows identical (first difference at {agree})"
+                f"  check greedy ids vs {label}: {same}/{batch} rows identical (first difference at {agree})",
+                flush=True,
             )
             if same != batch:
-                raise AssertionError(f"greedy generations differ: rows agree for {agree} tokens of {new}")
+                raise AssertionError(
+                    f"greedy ids differ from {label}'s: rows agree for {agree} tokens of {new}"
+                )
         mode = "compiled" if s.compile_decoding else "eager"
         rs, _ = paired_multi(
             f"generate b{batch}",
@@ -925,13 +928,13 @@ def summary_table(title: str, results: list[Result]) -> None:
         return
     print(f"\n{title}")
     print(
-        f"{'benchmark':12} | {'AdamW':8} | {'mmformer':>10} | {'peer':>10} | {'peer / mm':>9} | {'IQR':>13} | "
+        f"{'benchmark':14} | {'AdamW':8} | {'mmformer':>10} | {'peer':>10} | {'peer / mm':>9} | {'IQR':>13} | "
         "throughput mm / peer"
     )
     for r in results:
         mm = "mmformer+c" if r.mode == "compiled" else "mmformer"
         print(
-            f"{r.name:12} | {r.optimizer:8} | {r.mm_s * 1e3:8.1f}ms | {r.peer_s * 1e3:8.1f}ms | {r.ratio:9.3f} | "
+            f"{r.name:14} | {r.optimizer:8} | {r.mm_s * 1e3:8.1f}ms | {r.peer_s * 1e3:8.1f}ms | {r.ratio:9.3f} | "
             f"{r.q1:.3f}–{r.q3:.3f} | {r.units / r.mm_s:.1f} / {r.units / r.peer_s:.1f} {r.unit} ({mm} vs {r.peer})"
         )
 
@@ -973,6 +976,8 @@ def main() -> None:
         "cache + its automatic torch.compile), compiled before timing",
     )
     a = p.parse_args()
+    if a.peer_compile and not a.compile_decoding:
+        p.error("--peer-compile times transformers' compiled path beside mmformer's: add --compile-decoding")
     only = [b.strip() for b in a.only.split(",") if b.strip()]
     unknown = set(only) - set(BENCHMARKS)
     if unknown:

@@ -10,11 +10,12 @@ while a graph break still split every block: 0.76× eager without freezing, 1.07
 trace as one graph: the only data-dependent checks left run before them (``MaskSpec.from_tokens``).
 Measured on the real SmolLM2-135M, 2 CPU threads, against transformers' ``generate`` in the same run:
 batch 1 **1.46×**, batch 4 **1.37×** its speed, the same greedy ids (``python bench/peers.py --only
-generate --compile-decoding``; eager mmformer is at parity with it).
+generate --compile-decoding``; eager mmformer is at parity with it); 1.34× / 1.33× at 1 thread beside
+other jobs, and 1.05× / 1.12× transformers' own static cache + ``torch.compile`` (``--peer-compile``).
 
-Costs: the first call compiles (about 1.5 minutes for SmolLM2's 30 blocks at batch 1, 1 thread;
-every process again: inductor's on-disk cache skips graphs holding prepacked weights); prepacked
-weights may add a copy in memory.
+Costs: the first call compiles (about 1.5 minutes for SmolLM2's 30 blocks at batch 1, 1 thread, and
+about 4 more when a batch of several rows follows; every process again: inductor's on-disk cache skips
+graphs holding prepacked weights); prepacked weights may add a copy in memory.
 Shapes are dynamic (``dynamic=True``): a growing cache, another prompt length or capacity do not
 recompile; going from batch 1 to more rows does, once.
 

@@ -122,7 +122,9 @@ class RotaryEmbedding(nn.Module):
             )
         # (Dh/2,): each frequency's axis, built from Python ints (a repeat_interleave by a tensor of counts
         # has a data-dependent size: a graph break in every compiled step)
-        axis = torch.tensor([i for i, n in enumerate(self.sections) for _ in range(n)], device=positions.device)
+        axis = torch.tensor(
+            [i for i, n in enumerate(self.sections) for _ in range(n)], device=positions.device
+        )
         pos = positions.float().index_select(-1, axis)  # (B, N, Dh/2): each frequency's axis position
         half = pos * self.inv_freq(positions.device)
         emb = torch.cat([half, half], dim=-1).unsqueeze(1)  # (B, 1, N, Dh), rotate-half layout

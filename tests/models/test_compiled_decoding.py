@@ -91,3 +91,29 @@ def test_the_step_is_reused_for_unchanged_weights_and_rebuilt_after_any_change(m
     finally:
         compiled_decoding.clear()
     assert not compiled_decoding._current and len(resets) == 4
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_later_decoding_steps_reuse_the_first_steps_graphs(monkeypatch, rows):
+    """The frames captured for the first two decoding steps serve every later one, in this call and the
+    next (other prompt capacity, other lengths): the first step is traced at the prompt's cache length,
+    the second once more with the length dynamic, and no later step compiles again. A counting backend
+    instead of inductor: tracing only, seconds."""
+    from torch._dynamo.testing import CompileCounter
+
+    compiled_decoding.clear()
+    counter, compile = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile(fn, backend=counter, **kwargs))
+    model = tiny_llama().eval()
+    ids = torch.randint(1, 96, (rows, 7), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1:, :3] = False  # with two rows, the second is left-padded
+    try:
+        want = generate(model, "text", "lm", ids, valid, 8)
+        assert generate(model, "text", "lm", ids, valid, 3, compile=True) == [w[:3] for w in want]
+        frames = counter.frame_count  # two decoding steps traced
+        assert frames > 0
+        assert generate(model, "text", "lm", ids, valid, 8, compile=True) == want  # 7 steps, other lengths
+        assert counter.frame_count == frames
+    finally:
+        compiled_decoding.clear()
