@@ -57,6 +57,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -570,17 +571,23 @@ PROMPTS = [
 ]
 
 
+def config_with(cfg, **changes):
+    """A copy of the generation config ``cfg`` with ``changes``."""
+    out = cfg.__class__.from_dict(cfg.to_dict())
+    out.update(**changes)
+    return out
+
+
 def static_compiled(cfg):
     """A copy of the generation config ``cfg`` on transformers' documented fast decoding path: a static KV
     cache and the automatic ``torch.compile`` of the forward that comes with it (``cache_implementation=
-    "static"`` + ``CompileConfig``; on the CPU transformers compiles only when asked, ``_compile_all_devices``)."""
+    "static"`` + ``CompileConfig``; on the CPU transformers compiles only when asked, ``_compile_all_devices``,
+    which ``to_dict`` drops: build it from the plain config, not from a copy of a static one)."""
     from transformers import CompileConfig
 
-    out = cfg.__class__.from_dict(cfg.to_dict())
     compile_config = CompileConfig()
     compile_config._compile_all_devices = True
-    out.update(cache_implementation="static", compile_config=compile_config)
-    return out
+    return config_with(cfg, cache_implementation="static", compile_config=compile_config)
 
 
 def bench_generate(s: Settings) -> list[Result]:
@@ -592,8 +599,9 @@ def bench_generate(s: Settings) -> list[Result]:
     # exactly `new` tokens on both sides, whatever they are: no stop at eos. transformers fills a None
     # eos_token_id from the model's own generation config, so it is cleared there too.
     ref.generation_config.eos_token_id = None
-    gen_cfg = ref.generation_config.__class__.from_dict(ref.generation_config.to_dict())
-    gen_cfg.update(do_sample=False, max_new_tokens=new, min_new_tokens=0, eos_token_id=None)
+    gen_cfg = config_with(
+        ref.generation_config, do_sample=False, max_new_tokens=new, min_new_tokens=0, eos_token_id=None
+    )
     gen_cfg.pad_token_id = m["config"]["eos_token_id"]  # transformers pads with eos; masked anyway
     results = []
     for batch in (1, 4):
@@ -615,10 +623,7 @@ def bench_generate(s: Settings) -> list[Result]:
             with torch.no_grad():
                 return ref.generate(input_ids=hf_ids, attention_mask=valid.long(), generation_config=cfg)
 
-        one_cfg = gen_cfg.__class__.from_dict(gen_cfg.to_dict())
-        one_cfg.update(max_new_tokens=1)
-        peers = [("HF", peer_call)]
-        first = [("HF", lambda hf_ids=hf_ids, valid=valid, cfg=one_cfg: peer_call(hf_ids, valid, cfg))]
+        variants = [("HF", lambda cfg: cfg)]  # label, the config of the peer's calls from the plain one
         compile_s = [0.0, 0.0]
         if s.compile_decoding:
             t = time.perf_counter()
@@ -626,25 +631,16 @@ def bench_generate(s: Settings) -> list[Result]:
             compile_s[0] = time.perf_counter() - t
             print(f"  compiled mmformer's decoding step in {compile_s[0]:.0f} s (untimed)", flush=True)
         if s.compile_decoding and s.peer_compile:
-            static_cfg, one_static = static_compiled(gen_cfg), static_compiled(one_cfg)
             t = time.perf_counter()
-            peer_call(hf_ids, valid, static_cfg)
+            peer_call(hf_ids, valid, static_compiled(gen_cfg))
             compile_s[1] = time.perf_counter() - t
             print(
                 f"  compiled transformers' static-cache forward in {compile_s[1]:.0f} s (untimed)", flush=True
             )
-            peers.append(
-                (
-                    "HF static+compile",
-                    lambda hf_ids=hf_ids, valid=valid, cfg=static_cfg: peer_call(hf_ids, valid, cfg),
-                )
-            )
-            first.append(
-                (
-                    "HF static+compile",
-                    lambda hf_ids=hf_ids, valid=valid, cfg=one_static: peer_call(hf_ids, valid, cfg),
-                )
-            )
+            variants.append(("HF static+compile", static_compiled))
+        one_cfg = config_with(gen_cfg, max_new_tokens=1)
+        peers = [(label, partial(peer_call, hf_ids, valid, make(gen_cfg))) for label, make in variants]
+        first = [(label, partial(peer_call, hf_ids, valid, make(one_cfg))) for label, make in variants]
         got = mm_call()
         for label, call in peers:
             want = call()[:, ids.shape[1] :].tolist()
@@ -678,7 +674,7 @@ def bench_generate(s: Settings) -> list[Result]:
         print(f"  time to first token, batch {batch}:", flush=True)
         rs, _ = paired_multi(
             f"first token b{batch}",
-            lambda ids=ids, valid=valid: mm_call(ids, valid, 1),
+            partial(mm_call, ids, valid, 1),
             first,
             batch,
             "first tokens/s",

@@ -106,6 +106,9 @@ class RotaryEmbedding(nn.Module):
                 f"RoPE sections {sections} must be {n_axes} numbers summing to head_dim/2 = {half}"
             )
         self.head_dim, self.base, self.n_axes, self.sections = head_dim, base, n_axes, list(sections)
+        self.freq_axis = [
+            a for a, n in enumerate(sections) for _ in range(n)
+        ]  # (Dh/2,) each frequency's axis
 
     def inv_freq(self, device=None) -> Tensor:
         """``(Dh/2,)`` float32 frequencies ``θ^(-2i/Dh)``."""
@@ -120,11 +123,9 @@ class RotaryEmbedding(nn.Module):
                 f"RoPE over {self.n_axes} axes needs positions (B, N, >= {self.n_axes}), "
                 f"got {tuple(positions.shape)}"
             )
-        # (Dh/2,): each frequency's axis, built from Python ints (a repeat_interleave by a tensor of counts
-        # has a data-dependent size: a graph break in every compiled step)
-        axis = torch.tensor(
-            [i for i, n in enumerate(self.sections) for _ in range(n)], device=positions.device
-        )
+        # the axis index from Python ints (a repeat_interleave by a tensor of counts has a data-dependent
+        # size: a graph break in every compiled step)
+        axis = torch.tensor(self.freq_axis, device=positions.device)
         pos = positions.float().index_select(-1, axis)  # (B, N, Dh/2): each frequency's axis position
         half = pos * self.inv_freq(positions.device)
         emb = torch.cat([half, half], dim=-1).unsqueeze(1)  # (B, 1, N, Dh), rotate-half layout
