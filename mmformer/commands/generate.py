@@ -57,7 +57,7 @@ def cmd_generate(args) -> int:
             args.top_k,
             args.top_p,
             gen,
-            compile=args.compile,
+            compile=args.compile_mode or args.compile,
             bar=True,
         )
     except ValueError as e:  # an empty or over-long prompt: the user's input, not a bug

@@ -25,6 +25,8 @@ Shape legend: B batch, N tokens (Nk: cached + new), M context tokens, D model wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -134,6 +136,8 @@ class Backbone(nn.Module):
                 m.init_weights()
 
     _decode_layout = False  # True while the blocks' weights are stored column-major (for_decoding)
+    # ``run_blocks`` compiled, set by ``models.compiled_decoding`` for the duration of a decoding step
+    compiled_blocks: Callable | None = None
 
     def for_decoding(self) -> None:
         """Store the blocks' CPU linear weights column-major (``mmformer.nn.layout``: the same values, a
@@ -194,12 +198,26 @@ class Backbone(nn.Module):
         if self.reversible:
             x = reversible_stack(self.blocks, x, inputs, cache)
         else:
-            for i, block in enumerate(self.blocks):
-                x = block(x, inputs, context=ctx, cond=cond, cache=cache, layer=i)
+            run = self.compiled_blocks if self.compiled_blocks is not None else self.run_blocks
+            x = run(x, inputs, ctx, cond, cache)
         if cache is not None:
             cache.extend(tokens.valid, tokens.document, tokens.positions)
             cache.span_open = span[:, -1] > 0 if span is not None else torch.zeros_like(tokens.valid[:, -1])
         return self.norm(x)
+
+    def run_blocks(
+        self,
+        x: Tensor,
+        inputs: AttentionInputs,
+        context: Tensor | None = None,
+        cond: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """The blocks in order over hidden states ``x (B, N, D)``, given what ``attention_inputs`` built:
+        the part of ``forward`` with no data-dependent checks, so it traces as one graph."""
+        for i, block in enumerate(self.blocks):
+            x = block(x, inputs, context=context, cond=cond, cache=cache, layer=i)
+        return x
 
     def attention_inputs(
         self, tokens: Tokens, context: Tokens | None, cache: KVCache | None, span: Tensor | None

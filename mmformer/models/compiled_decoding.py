@@ -1,30 +1,38 @@
-"""One decoding step as a compiled graph: ``torch.compile`` (inductor) of the model's forward with
-``freezing``, for ``generate(..., compile=True)``.
+"""Compiled decoding steps, for ``generate(..., compile=True | "cached" | "frozen")``: ``torch.compile``
+(inductor) of ``Backbone.run_blocks`` (``cached``) or of the whole forward with frozen weights (``frozen``).
 
 Why: a KV-cache decoding step of a small model spends ~45 % of its time on ~1,600 small operators
 and the Python around them (``bench/README.md``, "Where a decoding step goes"); eager mode cannot
 remove that, a graph can. Inductor fuses the norms, RoPE, SiLU and residual adds of every block into a
-few generated kernels, and ``freezing`` (inference only) treats the weights as constants and
-prepacks them for the CPU's matrix kernels (``torch._inductor.config.freezing``; measured at batch 4
-while a graph break still split every block: 0.76× eager without freezing, 1.07× with). The blocks
-trace as one graph: the only data-dependent checks left run before them (``MaskSpec.from_tokens``).
-Measured on the real SmolLM2-135M, 2 CPU threads, against transformers' ``generate`` in the same run:
-batch 1 **1.46×**, batch 4 **1.37×** its speed, the same greedy ids (``python bench/peers.py --only
-generate --compile-decoding``; eager mmformer is at parity with it); 1.34× / 1.33× at 1 thread beside
-other jobs, and 1.05× / 1.12× transformers' own static cache + ``torch.compile`` (``--peer-compile``).
+few generated kernels. In ``cached`` mode what is compiled is the loop over the blocks only: the checks
+before them (``Backbone.attention_inputs``: ``MaskSpec.from_tokens``, the positions check) run eagerly,
+so the blocks trace as one graph, once, with no graph break and no restarted trace (module floats such
+as the norms' ``eps`` are specialized: left symbolic under ``dynamic=True`` they restart the trace).
 
-Costs: the first call compiles (about 1.5 minutes for SmolLM2's 30 blocks at batch 1, 1 thread, and
-about 4 more when a batch of several rows follows; every process again: inductor's on-disk cache skips
-graphs holding prepacked weights); prepacked weights may add a copy in memory.
+Two modes, measured on the real SmolLM2-135M, 1 CPU thread (``bench/README.md``, "A compiled decoding
+step"):
+
+- ``cached`` (``compile=True``): the weights are graph inputs, so inductor's FX graph cache and
+  AOTAutograd's cache store the compiled graph on disk (``TORCHINDUCTOR_CACHE_DIR``, by default under
+  the system temp folder) and a later process loads it: ``mmformer generate --compile`` took 54 s with an
+  empty cache and 19 s with a warm one (13 s eager). Per token 1.29× transformers' eager ``generate`` at
+  batch 1, level with it at batch 4 (its matrix products are MKL's on plain weights).
+- ``frozen``: the whole forward compiled with inductor's ``freezing``, which makes the weights constants
+  and prepacks them for oneDNN's matrix kernels — 1.3× transformers' eager ``generate`` at batch 4 as at
+  batch 1 — but prepacked (mkldnn) constants cannot be pickled into inductor's cache and AOTAutograd
+  refuses frozen graphs, so every process compiles again (1.5–4 min). It compiles the whole forward, not
+  the blocks alone: freezing the blocks' graph failed in inductor (a size argument bound to a weight)
+  when the mask's key count equalled the head size. A frozen graph holds the weights it was compiled
+  with: ``compiled_step`` fingerprints them and compiles anew after any change.
+
 Shapes are dynamic (``dynamic=True``): a growing cache, another prompt length or capacity do not
-recompile; going from batch 1 to more rows does, once.
-
-Frozen weights would silently go stale if the parameters changed afterwards (a training step, a
-``load_state_dict``) or another model of the same class came along: every parameter's identity,
-version counter and storage are recorded at compile time and compared at each ``compiled_step``
-call, and any change compiles anew, from a clean slate (``compiled_step`` says what it cannot see).
-Meant for inference on fixed weights (``mmformer generate --compile``, benchmarks, serving), not for
-samples generated between training steps.
+recompile; going from batch 1 to more rows does, once. One more compile happens when, at the first
+compiled step of padded rows, the number of cached keys + 1 equals a static size of the model (the
+head size, say): dynamo gives equal sizes one symbol ("duck sizing"), so the mask's key dimension is
+specialized with it (turning duck sizing off trips an assertion in torch 2.14's guards for the cache's
+buffers). In ``cached`` mode weights are read at every call, so training between generations, loading
+other weights or decoding another model of the same architecture never runs stale values (a change of
+strides or dtypes recompiles). A reversible backbone (``block.reversible``) decodes eagerly.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
-_current: dict = {}  # the one compiled step: its model, the weights' fingerprint, the step
+MODES = ("cached", "frozen")
+_current: dict = {}  # the one compiled step: its model, tokenizer, mode, weights' fingerprint and the step
 
 
 def _fingerprint(model: nn.Module) -> tuple:
@@ -48,38 +57,60 @@ def _fingerprint(model: nn.Module) -> tuple:
     )
 
 
-def compiled_step(model: nn.Module) -> Callable:
-    """The compiled ``model.forward`` for decoding steps (call it under ``torch.no_grad``), compiled at
-    the first call and reused while it is asked for the same model with unchanged weights. Same
+def compiled_step(model: nn.Module, tokenizer: str, mode: str = "cached") -> Callable:
+    """``model.forward`` for decoding steps (call it under ``torch.no_grad``) with the blocks of the
+    backbone that reads ``tokenizer`` (``model.backbone_of``) compiled; compiled at the first call, reused
+    while it is asked for the same model, tokenizer and mode (and, ``frozen``, unchanged weights). Same
     arguments and result as ``model.forward`` up to the rounding of fused kernels (greedy ids equal the
-    eager model's in ``tests/models/test_compiled_decoding.py`` and in ``bench/peers.py``).
+    eager model's in ``tests/models/test_compiled_decoding.py`` and in ``bench/peers.py``). Only the calls
+    of the returned step run compiled: the model's own forward (the prefill, training) stays eager.
 
-    For another model, or after the weights changed (``_fingerprint``), every compiled graph of the
-    process is dropped first (``torch._dynamo.reset()``): dynamo keys its compiled code by the Python
-    function, not by the module's weights, so a frozen graph would otherwise be reused with the old
-    values (tested). Other ``torch.compile``d code of the process (compiled training blocks) recompiles
-    at its next call; alternating between two models recompiles at every switch. Not detected: writes
+    ``mode``: ``cached`` (weights are graph inputs; the graph is stored on disk) or ``frozen`` (weights
+    are constants, prepacked; compiled in every process). A frozen graph holds the weights it was
+    compiled with, so after any change of them (``_fingerprint``) or for another model every compiled
+    graph of the process is dropped first (``torch._dynamo.reset()``: dynamo keys its code by function,
+    not by weights; other compiled code of the process recompiles at its next call). Not detected: writes
     through ``p.data`` (``p.data.copy_(…)``), which bypass the version counter — call ``clear()`` after
-    them. The last model stays referenced (and its graphs cached by dynamo) until ``clear()``.
+    them. Raises ``ValueError`` for another ``mode``.
     """
-    fingerprint = _fingerprint(model)
-    if _current.get("model") is not model or _current["fingerprint"] != fingerprint:
-        if _current:
-            torch._dynamo.reset()
-        _current.update(
-            model=model,
-            fingerprint=fingerprint,
-            step=_frozen(torch.compile(model.forward, dynamic=True)),
-        )
+    if mode not in MODES:
+        raise ValueError(f"compile mode {mode!r}: choose one of {MODES}")
+    fingerprint = _fingerprint(model) if mode == "frozen" else None
+    key = (model, tokenizer, mode)
+    if _current.get("key") != key or _current["fingerprint"] != fingerprint:
+        if _current.get("key", (None, None, None))[2] == "frozen" or mode == "frozen":
+            torch._dynamo.reset()  # no frozen graph may serve other weights
+        if mode == "frozen":
+            step = _frozen(torch.compile(model.forward, dynamic=True))
+        else:
+            backbone = model.backbone_of(tokenizer)
+            step = _with_compiled_blocks(model, backbone, torch.compile(backbone.run_blocks, dynamic=True))
+        _current.update(key=key, fingerprint=fingerprint, step=step)
     return _current["step"]
 
 
 def clear() -> None:
-    """Forget the compiled step and every graph dynamo holds (``torch._dynamo.reset()``), releasing the
-    model and its frozen weights."""
+    """Forget the compiled step and every graph dynamo holds in this process (``torch._dynamo.reset()``),
+    releasing the model and any frozen weights; the on-disk cache stays."""
     if _current:
         _current.clear()
         torch._dynamo.reset()
+
+
+def _with_compiled_blocks(model: nn.Module, backbone: nn.Module, blocks: Callable) -> Callable:
+    """``model``'s forward with ``backbone.compiled_blocks`` set to ``blocks`` for the duration of the call
+    (``Backbone.forward`` runs it in place of ``run_blocks``), module floats specialized while it compiles
+    (dynamo reads its config then, which ``torch.compile``'s arguments do not reach)."""
+
+    def step(*args, **kwargs):
+        backbone.compiled_blocks = blocks
+        try:
+            with torch._dynamo.config.patch(specialize_float=True):
+                return model(*args, **kwargs)
+        finally:
+            backbone.compiled_blocks = None
+
+    return step
 
 
 def _frozen(compiled: Callable) -> Callable:

@@ -57,22 +57,27 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
     bar: bool = False,
 ) -> list[list[int]]:
     """Continue left-padded prompts ``ids, valid (B, N)``; returns each row's new ids (without the prompt,
     up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step.
 
-    ``compile``: run the steps after the prompt as one compiled graph (``compiled_decoding``: the same
-    greedy ids up to fused kernels' rounding, faster per token once compiled; the first call compiles
-    for minutes; for fixed weights — a change of weights or model recompiles).
+    ``compile``: run the blocks of the steps after the prompt as one compiled graph
+    (``compiled_decoding``: the same greedy ids up to fused kernels' rounding, faster per token once
+    compiled). ``True`` or ``"cached"``: the first call of a process compiles for about a minute, or
+    loads the graph from inductor's on-disk cache in seconds; ``"frozen"``: weights as prepacked
+    constants, fastest for several rows, compiled in every process. Another value raises ``ValueError``.
 
     With learned absolute positions (``max_len``) the continuation stops at the end of the context.
     ``bar``: a progress bar over the new tokens (``mmformer.progress``: only on a terminal).
     Raises ``ValueError`` for an empty prompt or a prompt that already fills the context.
     """
     model.for_decoding()
-    forward = compiled_step(model) if compile else model
+    if compile:
+        forward = compiled_step(model, tokenizer, "cached" if compile is True else compile)
+    else:
+        forward = model
     lengths = valid.sum(dim=1)
     if ids.shape[1] == 0 or bool((lengths == 0).any()):
         raise ValueError("every prompt needs at least one token")
