@@ -4,7 +4,8 @@
     python bench/peers.py --quick               # tiny sizes, ~1 minute: checks the script works
     python bench/peers.py --only vit,dit        # some of: vit, gpt2, llama, generate, dit
     python bench/peers.py --only generate --new-tokens 256   # longer generations
-    python bench/peers.py --only generate --compile-decoding # mmformer's compiled decoding step
+    python bench/peers.py --only generate --compile-decoding # mmformer's compiled decoding step (cached)
+    python bench/peers.py --only generate --compile-decoding frozen  # the frozen-weights step
     python bench/peers.py --only generate --compile-decoding --peer-compile  # + HF static cache + compile
     python bench/peers.py --only gpt2 --optimizer fused     # one AdamW kernel (both sides) instead of two
     python bench/peers.py --only gpt2 --compile             # regional torch.compile, both sides
@@ -77,7 +78,9 @@ class Settings:
         str  # one AdamW kernel per run: fused | loop | foreach | default | platform ("same" → fused, loop)
     )
     new_tokens: int = 64  # generate: tokens decoded per call
-    compile_decoding: bool = False  # generate: mmformer decodes with generate(compile=True)
+    compile_decoding: bool | str = (
+        False  # generate: mmformer decodes with generate(compile="cached" / "frozen")
+    )
     peer_compile: bool = False  # generate, with compile_decoding: also transformers' static cache + compile
     compile: bool = False  # training: regional per-block torch.compile (mmformer; and the peer, a 2nd column)
 
@@ -611,7 +614,7 @@ def bench_generate(s: Settings) -> list[Result]:
         print(
             f"\n[generate] greedy KV-cache decoding, SmolLM2-135M-Instruct, batch {batch} (prompts of "
             f"{[len(q) for q in seqs]} tokens, left-padded), {new} new tokens"
-            f"{' (mmformer compiled)' if s.compile_decoding else ''}, vs "
+            f"{f' (mmformer compiled, {s.compile_decoding})' if s.compile_decoding else ''}, vs "
             f"LlamaForCausalLM.generate(do_sample=False)",
             flush=True,
         )
@@ -962,8 +965,12 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="generate: new tokens per call (default 64)")
     p.add_argument(
         "--compile-decoding",
-        action="store_true",
-        help="generate: mmformer decodes with a compiled graph (generate(compile=True); compiled before timing)",
+        nargs="?",
+        const="cached",
+        default=False,
+        choices=["cached", "frozen"],
+        help="generate: mmformer decodes with a compiled graph (generate(compile=MODE), default cached; "
+        "compiled before timing)",
     )
     p.add_argument(
         "--peer-compile",

@@ -37,6 +37,7 @@ from ..nn.layout import decode_layout, train_layout
 from ..nn.masks import MaskSpec
 from ..nn.mlp import build_mlp
 from ..nn.norms import build_norm
+from ..nn.packed import release as release_packed
 from ..nn.positions import RelativePositionBias, RotaryEmbedding, alibi_slopes
 from ..nn.reversible import ReversibleBlock, reversible_stack
 from ..nn.tokens import Tokens
@@ -155,6 +156,7 @@ class Backbone(nn.Module):
         weights' at its first steps, before the module's own forward runs."""
         if self._decode_layout:
             train_layout(self)
+            release_packed([self])  # the decoding loop's prepacked copies (nn.packed): memory back
             self._decode_layout = False
 
     def set_attn_kernel(self, kernel: str) -> None:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..nn.kv_cache import KVCache
+from ..nn.packed import packed_linears
 from ..progress import progress
 from .compiled_decoding import compiled_step
 from .model import MultimodalModel
@@ -95,20 +96,25 @@ def generate(
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     steps = progress(desc="generating", total=max_new_tokens, unit="token", leave=False) if bar else None
-    for step in range(max_new_tokens):
-        if steps is not None:
-            steps.update(1)
-        nxt = sample_next(logits, temperature, top_k, top_p, generator)
-        for i, t in enumerate(nxt.tolist()):
-            if not done[i] and t != eos_id:
-                out[i].append(t)
-        if eos_id is not None:
-            done |= nxt == eos_id
-        if bool(done.all()) or step == max_new_tokens - 1:  # no forward for logits nobody reads
-            break
-        pos = cache.valid.sum(dim=1, keepdim=True).unsqueeze(-1)  # each row continues from its length
-        step_valid = torch.ones_like(nxt[:, None], dtype=torch.bool)
-        logits = forward(nxt[:, None], tokenizer, head, cache=cache, valid=step_valid, positions=pos)[:, -1]
+    # eager steps of several rows multiply on oneDNN-prepacked weights (nn.packed); compiled ones do not
+    rows = 0 if compile else ids.shape[0]
+    with packed_linears([model.backbone_of(tokenizer), model.heads[head]], rows):
+        for step in range(max_new_tokens):
+            if steps is not None:
+                steps.update(1)
+            nxt = sample_next(logits, temperature, top_k, top_p, generator)
+            for i, t in enumerate(nxt.tolist()):
+                if not done[i] and t != eos_id:
+                    out[i].append(t)
+            if eos_id is not None:
+                done |= nxt == eos_id
+            if bool(done.all()) or step == max_new_tokens - 1:  # no forward for logits nobody reads
+                break
+            pos = cache.valid.sum(dim=1, keepdim=True).unsqueeze(-1)  # each row continues from its length
+            step_valid = torch.ones_like(nxt[:, None], dtype=torch.bool)
+            logits = forward(nxt[:, None], tokenizer, head, cache=cache, valid=step_valid, positions=pos)[
+                :, -1
+            ]
     if steps is not None:
         steps.close()
     return out

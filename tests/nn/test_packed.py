@@ -1,0 +1,97 @@
+"""``nn.packed``: one-position rows multiplied on oneDNN-prepacked weights give ``F.linear``'s values, never
+with stale weights, and leave the modules as they were (copyable, picklable) after the context."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmformer.models.generate import generate
+from mmformer.nn import packed
+from mmformer.nn.packed import packed_linears
+from tests.nn.test_layout import _model as tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+
+
+def _linear(bias: bool = True) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(24, 40, bias=bias)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [2, 4, 7])
+def test_packed_rows_equal_f_linear(bias, rows):
+    lin = _linear(bias)
+    x = torch.randn(rows, 1, 24)
+    with torch.no_grad(), packed_linears([lin], rows) as n:
+        assert n == 1 and "forward" in lin.__dict__
+        got = lin(x)
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert "forward" not in lin.__dict__
+
+
+def test_one_row_several_positions_and_gradients_take_f_linear(monkeypatch):
+    """The packed kernel only for ``(B ≥ 2, 1, in)`` without gradients: a prefill, one row or a
+    training forward multiply as before (the packed op is not called)."""
+    lin = _linear()
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(packed.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    with packed_linears([lin], 4):
+        with torch.no_grad():
+            lin(torch.randn(4, 5, 24))  # several positions
+            lin(torch.randn(1, 1, 24))  # one row
+        lin(torch.randn(4, 1, 24)).sum().backward()  # gradients
+        assert calls == [] and lin.weight.grad is not None
+        with torch.no_grad():
+            lin(torch.randn(4, 1, 24))
+    assert calls == [1]
+
+
+def test_a_weight_changed_after_packing_is_never_read_stale():
+    lin = _linear()
+    x = torch.randn(3, 1, 24)
+    with torch.no_grad(), packed_linears([lin], 3):
+        before = lin(x)
+        lin.weight.add_(1.0)  # in place: the version counter moves
+        after = lin(x)
+        torch.testing.assert_close(after, F.linear(x, lin.weight, lin.bias))
+        assert not torch.allclose(before, after)
+        lin.weight.data = lin.weight.data.t().contiguous().t() * 2  # re-stored: storage and strides move
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), packed_linears([lin], 3):  # packed again for the new weights
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_packs_nothing_and_the_context_restores_on_error():
+    lin = _linear()
+    with packed_linears([lin], 1) as n:
+        assert n == 0 and "forward" not in lin.__dict__
+    with pytest.raises(RuntimeError, match="boom"), packed_linears([lin], 2):
+        raise RuntimeError("boom")
+    assert "forward" not in lin.__dict__
+
+
+def test_batched_generation_gives_the_unpacked_ids_and_the_model_stays_copyable(monkeypatch):
+    """Greedy decoding of two left-padded prompts with packing equals it without (oneDNN reported
+    unavailable in the reference run); afterwards the model deep-copies and saves."""
+    model = tiny_llama().eval()
+    ids = torch.randint(1, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, :3] = False
+    with_packed = generate(model, "text", "lm", ids, valid, 10)
+    used = [m for m in model.modules() if m in packed._packed]
+    assert len(used) == 2 * 4 + 1  # qkv, proj, gate_up, down per block, and the LM head
+    with monkeypatch.context() as m:
+        m.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+        assert generate(model, "text", "lm", ids, valid, 10) == with_packed
+    copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
+    model.backbone.restore_layout()  # a training step: the blocks' packed copies are released
+    assert [m for m in model.backbone.modules() if m in packed._packed] == []
