@@ -96,9 +96,12 @@ def generate(
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     steps = progress(desc="generating", total=max_new_tokens, unit="token", leave=False) if bar else None
-    # eager steps of several rows multiply on oneDNN-prepacked weights (nn.packed); compiled ones do not
-    rows = 0 if compile else ids.shape[0]
-    with packed_linears([model.backbone_of(tokenizer), model.heads[head]], rows):
+    # the products of the steps on packed weights (nn.packed): eagerly every linear; with the cached
+    # compiled blocks the head, which runs after them eagerly; a frozen graph has its own (prepacked)
+    packed = {False: [model.backbone_of(tokenizer), model.heads[head]], "frozen": []}.get(
+        compile, [model.heads[head]]
+    )
+    with packed_linears(packed, ids.shape[0]):
         for step in range(max_new_tokens):
             if steps is not None:
                 steps.update(1)

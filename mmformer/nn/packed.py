@@ -1,21 +1,29 @@
-"""oneDNN-prepacked linear weights for KV-cache decoding of several rows on the CPU.
+"""Packed linear weights for KV-cache decoding on the CPU: oneDNN-prepacked for several rows, column-major
+for one.
 
 A decoding step of a batch multiplies a few rows (one new token per sequence) by every weight. For 2–4
 rows MKL's products on the plain ``(out, in)`` weights are far from the memory floor; oneDNN's on weights
 reordered once into its blocked format (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking
 inductor's ``freezing`` pass does) are 1.7–2.9× faster (``bench/README.md``, "A compiled step cached
 on disk": SmolLM2-135M's products at 4 rows, 1 thread: qkv 118 → 66 µs, gate+up 378 → 174 µs, the tied
-LM head 20.2 → 7.0 ms). At one row they are not (60 against 48 µs for qkv), so one-row steps keep MKL.
+LM head 20.2 → 7.0 ms). At one row they are not (60 against 48 µs for qkv).
+
+At one row the products are memory-bound, and what helps is the layout: a weight stored column-major
+(``nn.layout``'s decode layout of the blocks) is read faster than a row-major one — the tied LM head
+of SmolLM2 (49152 × 576, 113 MB) 11.3 → 6.5 ms per one-row product, 1 thread — so one-row steps get a
+column-major copy of the weights still row-major (the head, which shares the embedding's storage).
 
 ``packed_linears(modules, rows)`` is a context manager for a decoding loop: every plain CPU float32
-``nn.Linear`` of ``modules`` gets a prepacked copy of its weight (kept in a weak table, not on the module,
-so the model stays copyable and picklable; re-packed only when the weight changed) and, inside the
-context, a forward that uses it for inputs of one position per row (``(B, 1, in)``, ``B ≥ 2``) without
-gradients. Anything else — more positions (a prefill), gradients, a graph being compiled, another dtype,
-or a weight modified since it was packed (its version counter, storage or strides differ) — runs
-``F.linear`` as before, so the result never uses stale weights. The same values up to the kernels'
+``nn.Linear`` of ``modules`` gets a packed copy of its weight — oneDNN's for ``rows ≥ 2``, column-major
+for one row where the weight is row-major — kept in a weak table, not on the module, so the model
+stays copyable and picklable; re-packed only when the weight changed. Inside the context its forward
+uses the copy for inputs of one position per row (``(rows, 1, in)``) without gradients. Anything
+else — more positions (a prefill), gradients, a graph being compiled, another dtype, or a weight
+modified since it was packed (its version counter, storage or strides differ) — runs ``F.linear`` as
+before, so the result never uses stale weights. The same values up to the kernels'
 rounding (greedy ids equal: ``tests/nn/test_packed.py``). Costs one copy of the packed weights in memory
-(540 MB for SmolLM2-135M) and ~0.5 s to pack them, once per weights.
+(540 MB for SmolLM2-135M; the head's 113 MB at one row) and ~0.5 s to pack them, once per weights and
+row count.
 """
 
 from __future__ import annotations
@@ -31,32 +39,47 @@ from torch import Tensor, nn
 
 from .layout import _linears
 
-# module → (the weight's key when packed, the packed weight)
-_packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
+# module → (the weight's key when packed, "onednn" or "column-major", the packed weight)
+_packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, str, Tensor]] = weakref.WeakKeyDictionary()
 
 
 def _key(w: Tensor) -> tuple:
     return (w._version, w.data_ptr(), w.stride(), w.shape)
 
 
+def _pack(w: Tensor, rows: int) -> tuple[str, Tensor] | None:
+    """The packed form of ``w (out, in)`` for ``rows`` one-position rows, or None when it has none."""
+    if rows >= 2:
+        return "onednn", torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+    if w.is_contiguous() and min(w.shape) > 1:  # a row-major weight at one row: a column-major copy
+        return "column-major", w.detach().t().contiguous().t()
+    return None  # already column-major (``nn.layout``'s decode layout of the blocks)
+
+
 @contextlib.contextmanager
 def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
     """Inside the context, the float32 CPU linears of ``modules`` multiply ``rows`` one-position rows
-    with prepacked weights (packed now unless already packed for these exact weights). Yields how many
-    linears use it: 0 when ``rows < 2`` or oneDNN is not available (nothing is changed)."""
-    if rows < 2 or not torch.backends.mkldnn.is_available():
+    with packed weights (packed now unless already packed for these exact weights and kind). Yields how
+    many linears use it: 0 when oneDNN is not available or ``rows < 1`` (nothing is changed)."""
+    if rows < 1 or not torch.backends.mkldnn.is_available():
         yield 0
         return
-    linears = [m for module in modules for m in _linears(module) if m.weight.dtype == torch.float32]
+    kind = "onednn" if rows >= 2 else "column-major"
+    linears = []
     with torch.no_grad():
-        for m in linears:
-            entry = _packed.get(m)
-            if entry is None or entry[0] != _key(m.weight):
-                _packed[m] = (
-                    _key(m.weight),
-                    torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows),
-                )
-            m.forward = types.MethodType(_packed_forward, m)
+        for module in modules:
+            for m in _linears(module):
+                if m.weight.dtype != torch.float32:
+                    continue
+                entry = _packed.get(m)
+                if entry is None or entry[0] != _key(m.weight) or entry[1] != kind:
+                    form = _pack(m.weight, rows)
+                    if form is None:
+                        _packed.pop(m, None)
+                        continue
+                    _packed[m] = (_key(m.weight), *form)
+                m.forward = types.MethodType(_packed_forward, m)
+                linears.append(m)
     try:
         yield len(linears)
     finally:
@@ -84,8 +107,13 @@ def _packed_forward(self: nn.Linear, x: Tensor) -> Tensor:
         or entry[0] != _key(w)
     ):
         return F.linear(x, w, self.bias)
+    _, kind, packed = entry
     rows = x.numel() // x.shape[-1]
-    if rows < 2:
-        return F.linear(x, w, self.bias)
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), entry[1], self.bias, "none", [], "")
-    return y.view(*x.shape[:-1], y.shape[-1])
+    if kind == "column-major" and rows == 1:
+        return F.linear(x, packed, self.bias)
+    if kind == "onednn" and rows >= 2:
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(rows, x.shape[-1]), packed, self.bias, "none", [], ""
+        )
+        return y.view(*x.shape[:-1], y.shape[-1])
+    return F.linear(x, w, self.bias)

@@ -69,25 +69,41 @@ def test_a_weight_changed_after_packing_is_never_read_stale():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_packs_nothing_and_the_context_restores_on_error():
+def test_one_row_reads_a_column_major_copy_of_a_row_major_weight_only():
+    lin, col = _linear(), _linear()
+    with torch.no_grad():
+        col.weight.data = col.weight.data.t().contiguous().t()  # the blocks' decode layout
+    x = torch.randn(1, 1, 24)
+    with torch.no_grad(), packed_linears([lin, col], 1) as n:
+        assert n == 1 and "forward" in lin.__dict__ and "forward" not in col.__dict__
+        copy_ = packed._packed[lin][2]
+        assert copy_.t().is_contiguous() and torch.equal(copy_, lin.weight)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+        lin.weight.mul_(2)  # changed after packing: the weight, not the copy
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_no_rows_packs_nothing_and_the_context_restores_on_error():
     lin = _linear()
-    with packed_linears([lin], 1) as n:
+    with packed_linears([lin], 0) as n:
         assert n == 0 and "forward" not in lin.__dict__
     with pytest.raises(RuntimeError, match="boom"), packed_linears([lin], 2):
         raise RuntimeError("boom")
     assert "forward" not in lin.__dict__
 
 
-def test_batched_generation_gives_the_unpacked_ids_and_the_model_stays_copyable(monkeypatch):
-    """Greedy decoding of two left-padded prompts with packing equals it without (oneDNN reported
+@pytest.mark.parametrize("rows", [1, 2])
+def test_generation_gives_the_unpacked_ids_and_the_model_stays_copyable(monkeypatch, rows):
+    """Greedy decoding (one prompt; two, left-padded) with packing equals it without (oneDNN reported
     unavailable in the reference run); afterwards the model deep-copies and saves."""
     model = tiny_llama().eval()
-    ids = torch.randint(1, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, 96, (rows, 7), generator=torch.Generator().manual_seed(1))
     valid = torch.ones_like(ids, dtype=torch.bool)
-    valid[1, :3] = False
+    valid[1:, :3] = False
     with_packed = generate(model, "text", "lm", ids, valid, 10)
     used = [m for m in model.modules() if m in packed._packed]
-    assert len(used) == 2 * 4 + 1  # qkv, proj, gate_up, down per block, and the LM head
+    # several rows: qkv, proj, gate_up, down per block and the LM head; one row: the head (row-major)
+    assert len(used) == (2 * 4 + 1 if rows == 2 else 1)
     with monkeypatch.context() as m:
         m.setattr(torch.backends.mkldnn, "is_available", lambda: False)
         assert generate(model, "text", "lm", ids, valid, 10) == with_packed
@@ -95,3 +111,4 @@ def test_batched_generation_gives_the_unpacked_ids_and_the_model_stays_copyable(
     torch.save(model, io.BytesIO())
     model.backbone.restore_layout()  # a training step: the blocks' packed copies are released
     assert [m for m in model.backbone.modules() if m in packed._packed] == []
+    packed.release([model])
