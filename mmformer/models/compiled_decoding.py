@@ -15,12 +15,14 @@ step"):
 - ``cached`` (``compile=True``): the weights are graph inputs, so inductor's FX graph cache and
   AOTAutograd's cache store the compiled graph on disk (``TORCHINDUCTOR_CACHE_DIR``, by default under
   the system temp folder) and a later process loads it: ``mmformer generate --compile`` took 54 s with an
-  empty cache and 19 s with a warm one (13 s eager). Per token 1.29× transformers' eager ``generate`` at
-  batch 1, level with it at batch 4 (its matrix products are MKL's on plain weights).
+  empty cache and 19 s with a warm one (13 s eager). Per token 1.62× transformers' eager ``generate``
+  at batch 1 (the head, after the blocks, eagerly on a column-major copy: ``nn.packed``), only 1.16× at
+  batch 4 (the blocks' products are MKL's on plain weights; eager decoding with oneDNN-packed weights
+  is faster there, 1.4–1.5×).
 - ``frozen``: the whole forward compiled with inductor's ``freezing``, which makes the weights constants
-  and prepacks them for oneDNN's matrix kernels — 1.3× transformers' eager ``generate`` at batch 4 as at
-  batch 1 — but prepacked (mkldnn) constants cannot be pickled into inductor's cache and AOTAutograd
-  refuses frozen graphs, so every process compiles again (1.5–4 min). It compiles the whole forward, not
+  and prepacks them for oneDNN's matrix kernels — 1.49× / 1.71× transformers' eager ``generate`` at
+  batch 1 / 4 — but prepacked (mkldnn) constants cannot be pickled into inductor's cache and AOTAutograd
+  refuses frozen graphs, so every process compiles again (80–110 s at 1 thread). It compiles the whole forward, not
   the blocks alone: freezing the blocks' graph failed in inductor (a size argument bound to a weight)
   when the mask's key count equalled the head size. A frozen graph holds the weights it was compiled
   with: ``compiled_step`` fingerprints them and compiles anew after any change.
