@@ -104,8 +104,9 @@ environment: MMFORMER_RUNS (runs folder, default runs/), MMFORMER_DATA (data roo
     g.add_argument(
         "--compile",
         action="store_true",
-        help="decode with the blocks as one compiled graph (torch.compile), faster per token: about a minute "
-        "to compile the first time, seconds once inductor's on-disk cache holds it",
+        help="decode with the blocks as one compiled graph (torch.compile), faster per token for one prompt: "
+        "about a minute to compile the first time, seconds once inductor's on-disk cache holds it (for "
+        "several prompts on the CPU, eager decoding on packed weights is faster; or --compile-mode frozen)",
     )
     g.add_argument(
         "--compile-mode",
