@@ -10,6 +10,7 @@
     python bench/peers.py --only gpt2 --optimizer fused     # one AdamW kernel (both sides) instead of two
     python bench/peers.py --only gpt2 --compile             # regional torch.compile, both sides
     python bench/peers.py --optimizer platform              # each platform's default AdamW (secondary)
+    python bench/peers.py --only gpt2 --linears both        # + mmformer on PyTorch's own linears, a column
 
 Benchmarks (fp32, ``torch.set_num_threads(2)`` unless ``--threads``):
   vit       ViT-S/16 training step vs timm ``vit_small_patch16_224``            images/s
@@ -36,6 +37,12 @@ train with the fused kernel, a plain ``torch.optim.AdamW`` / timm's ``create_opt
 ``adamw_torch_fused``), so that ratio measures defaults, not implementations. Generation has no
 optimizer and runs once.
 
+``--linears``: mmformer's training steps multiply on oneDNN as ``mmformer train`` does by default
+(``trainer.onednn_linears``, ``mmformer.nn.onednn.use_onednn``: forward and both backward products;
+the peer keeps PyTorch's linears, MKL). ``aten``: mmformer on PyTorch's linears too (the same kernels on
+both sides); ``both``: oneDNN, with a copy of mmformer on PyTorch's linears as one more column, so the
+gain from the linears alone is measured in the same rounds.
+
 ``--compile``: mmformer's blocks are compiled as ``trainer.compile: true`` does
 (``mmformer.models.parallelize.compile_blocks``: regional, one ``torch.compile`` per block) and timed
 against the eager peer and against a copy of the peer whose blocks are compiled the same regional way
@@ -43,7 +50,9 @@ against the eager peer and against a copy of the peer whose blocks are compiled 
 checked (1e-4 relative); compile time (the first steps minus as many ordinary steps) is printed apart.
 
 After warm-up the sides run alternately in this process (mmformer, peer, [compiled peer,] mmformer, …),
-so all see the same machine state; printed: each side's median time and throughput, and the median and
+so all see the same machine state (``--block K``: K calls of a side in a row, the first untimed —
+the first step after the other model's evicts caches, and MKL's first products after oneDNN's run
+~10 % slower); printed: each side's median time and throughput, and the median and
 interquartile range of the per-round ratios peer time / mmformer time (> 1: mmformer is faster).
 Uses only the model library (``mmformer.nn``, ``mmformer.models``, ``mmformer.tokenizers``) besides
 the peers themselves (timm, transformers).
@@ -83,6 +92,8 @@ class Settings:
     )
     peer_compile: bool = False  # generate, with compile_decoding: also transformers' static cache + compile
     compile: bool = False  # training: regional per-block torch.compile (mmformer; and the peer, a 2nd column)
+    linears: str = "onednn"  # training: mmformer's CPU linears — onednn (as mmformer train), aten, both
+    block: int = 1  # calls of one side in a row per round; > 1: the first is untimed (the switch's cost)
 
 
 OPTIMIZERS = ("same", "fused", "loop", "foreach", "default", "platform")
@@ -141,9 +152,12 @@ def paired_multi(
     try:
         for _ in range(s.pairs):
             for i, (_, call) in enumerate(calls):
-                t0 = time.perf_counter()
-                call()
-                times[i].append(time.perf_counter() - t0)
+                runs = []
+                for _ in range(s.block):
+                    t0 = time.perf_counter()
+                    call()
+                    runs.append(time.perf_counter() - t0)
+                times[i].append(statistics.median(runs[1:]) if s.block > 1 else runs[0])
     finally:
         gc.enable()
     med = [statistics.median(t) for t in times]
@@ -260,14 +274,24 @@ def compare_training(
     round-robin against the eager peer and against a copy of the peer whose blocks (``ref_blocks``)
     are compiled the same regional way. Compile time: the first steps' time (the loss check and the
     warm-up) minus as many timed steps' median."""
+    import copy
+
+    from mmformer.nn.onednn import use_onednn
+
     extra = {"optimizer": s.optimizer}
+    aten = copy.deepcopy(ours) if s.linears == "both" and not s.compile else None  # before any step
+    if s.linears != "aten":
+        print(f"  mmformer linears on oneDNN: {use_onednn(ours)} (as mmformer train)", flush=True)
     if not s.compile:
         mm = train_step(ours, lambda: ours_loss(ours), s, ours=True)
         peer_step = train_step(ref, lambda: ref_loss(ref), s)
         if check_loss:
             first_losses_match(mm, peer_step)
-        return [paired(name, peer, mm, peer_step, units, unit, s, **extra)]
-    import copy
+        label = "mmformer" if s.linears == "aten" else "mmformer+onednn"
+        calls = [(peer, peer_step)]
+        if aten is not None:
+            calls.append(("mmformer-aten", train_step(aten, lambda: ours_loss(aten), s, ours=True)))
+        return paired_multi(name, mm, calls, units, unit, s, mm_label=label, **extra)[0]
 
     from mmformer.models.parallelize import compile_blocks
 
@@ -961,6 +985,22 @@ def main() -> None:
         "torch.compile) and time it against the eager peer and against the peer with its blocks compiled "
         "the same way; compile time is printed separately",
     )
+    p.add_argument(
+        "--linears",
+        choices=("onednn", "aten", "both"),
+        default="onednn",
+        help="training: mmformer's CPU linears on oneDNN (default, as mmformer train: "
+        "trainer.onednn_linears) or on PyTorch's own (aten); both: oneDNN, plus a copy on PyTorch's as "
+        "one more column (the gain from the linears alone, in the same rounds)",
+    )
+    p.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="calls of one side in a row per round (default 1: strictly alternating); > 1 times the median "
+        "of all but the first, so the cost of switching models (caches, the other library's buffers) is "
+        "nobody's",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=64, help="generate: new tokens per call (default 64)")
     p.add_argument(
@@ -995,12 +1035,15 @@ def main() -> None:
         compile_decoding=a.compile_decoding,
         peer_compile=a.peer_compile,
         compile=a.compile,
+        linears=a.linears,
+        block=a.block,
     )
     optimizers = ("fused", "loop") if s.optimizer == "same" else (s.optimizer,)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, AdamW "
         f"{' then '.join(optimizers)}{' (same kernel on both sides)' if s.optimizer != 'platform' else ''}"
-        f"{', mmformer blocks compiled' if s.compile else ''}, {s.pairs} pairs after {s.warmup} warm-up",
+        f"{', mmformer blocks compiled' if s.compile else ''}, mmformer linears {s.linears}, "
+        f"{s.pairs} pairs after {s.warmup} warm-up{f', {s.block} calls per side per round' if s.block > 1 else ''}",
         flush=True,
     )
     start = time.perf_counter()

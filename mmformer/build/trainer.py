@@ -227,6 +227,7 @@ def build_trainer(recipe, run: Run, module: MultiTaskModule, extra_callbacks=())
     unused = bool(freeze) or (recipe.multitask.schedule == "sampled" and len(recipe.tasks) > 1)
     strategy = build_strategy(t, unused, sharded=recipe.checkpoint.sharded)
     module.compile_blocks, module.checkpoint_blocks = t.compile, t.activation_checkpointing
+    module.onednn_linears = t.onednn_linears
     kwargs = trainer_arguments(t, run.dir) | dict(
         enable_progress_bar=bool(progress),
         inference_mode=False,  # no_grad: metric states stay usable when validate_first runs before fit

@@ -175,6 +175,7 @@ def _setup(recipe, folder: Path, max_steps: int):
     module = build_module(recipe)
     t = recipe.trainer
     module.compile_blocks, module.checkpoint_blocks = t.compile, t.activation_checkpointing
+    module.onednn_linears = t.onednn_linears
     bars = progress_bars(t)
     devices = t.devices if isinstance(t.devices, list) and len(t.devices) == 1 else 1
     trainer = L.Trainer(

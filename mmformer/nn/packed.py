@@ -41,6 +41,9 @@ from .layout import _linears
 
 # module → (the weight's key when packed, "onednn" or "column-major", the packed weight)
 _packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, str, Tensor]] = weakref.WeakKeyDictionary()
+# module → its own instance forward inside a ``packed_linears`` context (``nn.onednn``'s), for the
+# inputs the packed weights do not cover and to restore on exit
+_unpacked: weakref.WeakKeyDictionary[nn.Linear, types.MethodType] = weakref.WeakKeyDictionary()
 
 
 def _key(w: Tensor) -> tuple:
@@ -78,13 +81,20 @@ def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
                         _packed.pop(m, None)
                         continue
                     _packed[m] = (_key(m.weight), *form)
+                own = m.__dict__.get("forward")
+                if own is not None and getattr(own, "__func__", None) is not _packed_forward:
+                    _unpacked[m] = own
                 m.forward = types.MethodType(_packed_forward, m)
                 linears.append(m)
     try:
         yield len(linears)
     finally:
         for m in linears:
-            m.__dict__.pop("forward", None)
+            own = _unpacked.pop(m, None)
+            if own is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = own
 
 
 def release(modules: Iterable[nn.Module]) -> None:
@@ -106,7 +116,7 @@ def _packed_forward(self: nn.Linear, x: Tensor) -> Tensor:
         or x.dtype != w.dtype
         or entry[0] != _key(w)
     ):
-        return F.linear(x, w, self.bias)
+        return _unpacked_forward(self, x)
     _, kind, packed = entry
     rows = x.numel() // x.shape[-1]
     if kind == "column-major" and rows == 1:
@@ -116,4 +126,9 @@ def _packed_forward(self: nn.Linear, x: Tensor) -> Tensor:
             x.reshape(rows, x.shape[-1]), packed, self.bias, "none", [], ""
         )
         return y.view(*x.shape[:-1], y.shape[-1])
-    return F.linear(x, w, self.bias)
+    return _unpacked_forward(self, x)
+
+
+def _unpacked_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    own = _unpacked.get(self)
+    return own(x) if own is not None else F.linear(x, self.weight, self.bias)

@@ -111,8 +111,8 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     """Lightning ``Trainer`` arguments: mmformer's own keys (``validate_first``, ``compile``,
-    ``activation_checkpointing``, ``threads``) and the arguments recipes set most are typed fields; every other
-    argument of ``lightning.Trainer`` (``fast_dev_run``, ``profiler``, ``overfit_batches``,
+    ``activation_checkpointing``, ``onednn_linears``, ``threads``) and the arguments recipes set most are
+    typed fields; every other argument of ``lightning.Trainer`` (``fast_dev_run``, ``profiler``, ``overfit_batches``,
     ``detect_anomaly``, ``benchmark``, ``min_epochs`` …) may be set under ``trainer`` too. The loader
     moves those into ``extra`` and writes them back under ``trainer`` (``mmformer.recipe.trainer_args``).
 
@@ -143,6 +143,9 @@ class TrainerConfig:
     enable_progress_bar: bool = True
     compile: bool = False  # torch.compile every transformer block (models.parallelize; keys stay clean)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # CPU float32 linears multiply on oneDNN, forward and backward (mmformer.nn.onednn: the same values up to
+    # rounding, faster than PyTorch's MKL products); false: PyTorch's own. No effect on a GPU
+    onednn_linears: bool = True
     # intra-op threads per process; null: OMP_NUM_THREADS if set, else cores // processes per node
     # (mmformer.training.threads)
     threads: Optional[int] = None

@@ -2,13 +2,14 @@
 of ``lightning.Trainer.__init__`` of the installed Lightning.
 
 ``TrainerConfig`` types mmformer's own keys (``validate_first``, ``compile``, ``activation_checkpointing``,
-``threads``) and the Lightning arguments recipes set most; any other one (``fast_dev_run``, ``profiler``,
-``overfit_batches``, ``detect_anomaly``, ``benchmark``, ``min_epochs`` …) is written under ``trainer`` as
-well. The loader moves it into ``trainer.extra`` (:func:`move_lightning_args`), where it is checked
-against ``inspect.signature(lightning.Trainer.__init__)`` and its annotation (:func:`check_extra`);
-``build_trainer`` passes it through, and the resolved recipe writes it back under ``trainer``
-(:func:`flatten_extra`). The arguments mmformer sets itself are refused, each with its reason
-(``SET_BY_MMFORMER``); an unknown key gets a did-you-mean over all of them (:func:`trainer_keys`).
+``onednn_linears``, ``threads``) and the Lightning arguments recipes set most; any other one
+(``fast_dev_run``, ``profiler``, ``overfit_batches``, ``detect_anomaly``, ``benchmark``, ``min_epochs`` …)
+is written under ``trainer`` as well. The loader moves it into ``trainer.extra``
+(:func:`move_lightning_args`), where it is checked against ``inspect.signature(lightning.Trainer.__init__)``
+and its annotation (:func:`check_extra`); ``build_trainer`` passes it through, and the resolved recipe
+writes it back under ``trainer`` (:func:`flatten_extra`). The arguments mmformer sets itself are
+refused, each with its reason (``SET_BY_MMFORMER``); an unknown key gets a did-you-mean over all of them
+(:func:`trainer_keys`).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from ..data.windows import WINDOW
 from ..models import parallelize
 from ..models.backbone import Backbone
 from ..models.model import MultimodalModel
+from ..nn.onednn import use_onednn
 from ..training.checkpoint_io import resume_hint
 from ..training.optim import build_optimizer, build_scheduler
 from ..training.steps import forget_step_values
@@ -127,6 +128,8 @@ class MultiTaskModule(L.LightningModule):
         process) is seeded from it and the rank, so ranks do not draw identical masks and crops.
     compile_blocks, checkpoint_blocks: ``torch.compile`` / activation checkpointing per block
         (``trainer.compile``, ``trainer.activation_checkpointing``), applied in ``configure_model``.
+    onednn_linears: the model's CPU float32 linears on oneDNN (``trainer.onednn_linears``;
+        ``nn.onednn.use_onednn``), applied in ``configure_model`` before the other two.
     task_modalities: task → the modality of its input tokenizer (per-modality losses).
     tokenizer_files: text tokenizer name → its JSON, stored in every checkpoint (it stands alone).
     pretrained_configs: pretrained source → its family and config, stored in every checkpoint.
@@ -145,6 +148,7 @@ class MultiTaskModule(L.LightningModule):
         *,
         compile_blocks: bool = False,
         checkpoint_blocks: bool = False,
+        onednn_linears: bool = False,
         task_modalities: dict[str, str] | None = None,
         tokenizer_files: dict[str, str] | None = None,
         pretrained_configs: dict[str, dict] | None = None,
@@ -160,6 +164,7 @@ class MultiTaskModule(L.LightningModule):
         self.tasks = nn.ModuleDict(tasks)
         self.weights, self.optim_cfg, self.recipe_yaml, self.seed = dict(weights), optim, recipe_yaml, seed
         self.compile_blocks, self.checkpoint_blocks = compile_blocks, checkpoint_blocks
+        self.onednn_linears = onednn_linears
         self.task_modalities = dict(task_modalities or {})
         self.tokenizer_files = dict(tokenizer_files or {})
         self.pretrained_configs = dict(pretrained_configs or {})
@@ -174,13 +179,16 @@ class MultiTaskModule(L.LightningModule):
         self._step_norm = None  # (params, gradient norm) of this optimizer step, for its clipping
 
     def configure_model(self) -> None:
-        """Activation checkpointing, ``torch.compile`` and FSDP2 sharding, per block, in that order
-        (``models.parallelize``; keys stay clean). Under ``trainer.strategy: fsdp2`` the whole module is
-        the root unit, so the tasks' own parameters (a contrastive temperature) are sharded and
-        averaged too. Runs once, whatever the number of ``fit`` / ``validate`` calls."""
+        """oneDNN linears on the CPU (``nn.onednn``), then activation checkpointing, ``torch.compile`` and
+        FSDP2 sharding, per block, in that order (``models.parallelize``; keys stay clean). Under
+        ``trainer.strategy: fsdp2`` the whole module is the root unit, so the tasks' own parameters (a
+        contrastive temperature) are sharded and averaged too. Runs once, whatever the number of ``fit`` /
+        ``validate`` calls."""
         if self._configured:
             return
         self._configured = True
+        if self.onednn_linears:  # a linear on another device, or under compile / autocast, runs F.linear
+            use_onednn(self.model)
         if self.checkpoint_blocks:
             parallelize.checkpoint_blocks(self.model)
         if self.compile_blocks:

@@ -242,3 +242,22 @@ def test_sharded_checkpoints_resume_validate_and_merge_into_safetensors(workdir)
         torch.testing.assert_close(merged[k], v, atol=1e-6, rtol=0, msg=k)
     one = ["trainer.devices=1", "trainer.strategy=auto", "checkpoint.sharded=false"]
     assert "val/toy/acc" in cli("validate", str(last), *one)
+
+
+@pytest.mark.slow
+def test_onednn_linears_give_the_same_gradient_on_one_process_ddp_and_fsdp2(workdir):
+    """At width 384 the blocks' linears are large enough to run on oneDNN (``trainer.onednn_linears``, the
+    default; ``nn.onednn.MIN_WEIGHTS``): one process, DDP and FSDP2 (whose forward reads the gathered
+    weights) give the gradient of PyTorch's own linears."""
+    corpus = _corpus(workdir / "corpus.txt")
+    one = workdir / "wide.yaml"
+    one.write_text(
+        LM.format(name="wide", corpus=corpus).replace("preset: debug,", "preset: debug, d_model: 384,")
+    )
+    reference, _ = _gradients(_run(one, workdir, "aten", ["trainer.onednn_linears=false"]))
+    for name, overrides in {
+        "onednn": [],
+        "ddp": [*LAYOUTS["ddp"][0], "tasks.corpus.data.batch_size=4"],
+        "fsdp2": [*LAYOUTS["fsdp2"][0], "tasks.corpus.data.batch_size=4"],
+    }.items():
+        _assert_same(reference, _gradients(_run(one, workdir, name, overrides))[0], name)

@@ -39,3 +39,26 @@ def test_training_logs_tflops_data_wait_and_peak_memory(tiny_recipe, workdir):
     assert 0.0 <= values["throughput/data_wait"] < 1.0
     assert values["memory/peak_gb"] > 0.05
     assert "throughput/mfu" not in values  # no known peak for a CPU
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_training_routes_large_cpu_linears_through_onednn_unless_switched_off(tiny_recipe, workdir, onednn):
+    from mmformer.nn.onednn import MIN_WEIGHTS, uses_onednn
+
+    recipe = load_recipe(
+        tiny_recipe,
+        [
+            "trainer.max_steps=1",
+            "model.backbone.d_model=384",
+            *([] if onednn else ["trainer.onednn_linears=false"]),
+        ],
+    )
+    assert recipe.trainer.onednn_linears is onednn  # true unless the recipe says otherwise
+    trainer, _ = train(recipe, [])
+    block = trainer.lightning_module.model.backbone.blocks[0]
+    linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    routed = [uses_onednn(m) for m in linears]
+    assert routed == [onednn and m.weight.numel() > MIN_WEIGHTS for m in linears]
+    assert routed.count(True) == (
+        3 if onednn else 0
+    )  # qkv 384 × 1152, fc1, fc2; not the 384 × 384 projection
