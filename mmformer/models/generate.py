@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..nn.kv_cache import KVCache
+from ..nn.onednn import onednn_routed
 from ..nn.packed import packed_linears
 from ..progress import progress
 from .compiled_decoding import compiled_step
@@ -91,8 +92,9 @@ def generate(
             )
         max_new_tokens = min(max_new_tokens, room)
     cache = KVCache(capacity=ids.shape[1] + max_new_tokens)
-    hidden, tokens = model.encode(tokenizer, ids, cache=cache, valid=valid)
-    logits = model.heads[head](hidden[:, -1:], tokens)[:, -1]  # the prompt's last position only
+    with onednn_routed([model]):  # the prompt's products, many rows: on oneDNN (nn.onednn)
+        hidden, tokens = model.encode(tokenizer, ids, cache=cache, valid=valid)
+        logits = model.heads[head](hidden[:, -1:], tokens)[:, -1]  # the prompt's last position only
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     steps = progress(desc="generating", total=max_new_tokens, unit="token", leave=False) if bar else None

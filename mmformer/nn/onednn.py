@@ -26,8 +26,9 @@ linear's forward is patched once. Shapes: ``(..., in_features) → (..., out_fea
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +119,23 @@ def use_onednn(module: nn.Module, min_weights: int = MIN_WEIGHTS) -> int:
     for m in linears:
         m.forward = types.MethodType(forward, m)
     return len(linears)
+
+
+@contextlib.contextmanager
+def onednn_routed(modules: Iterable[nn.Module], min_weights: int = MIN_WEIGHTS) -> Iterator[int]:
+    """``use_onednn`` for the duration of the context: the linears it routed get their own forward back on
+    exit (those routed before stay routed). Yields how many it routed. For an inference pass whose
+    products gain (a prompt's prefill: SmolLM2-135M's 20-token prefill 1.31× faster at batch 1, 1.22× at
+    batch 4) on a model the caller keeps as it was."""
+    routed = [m for module in modules for m in _plain_linears(module, min_weights)] if _AVAILABLE else []
+    for m in routed:
+        m.forward = types.MethodType(forward, m)
+    try:
+        yield len(routed)
+    finally:
+        for m in routed:
+            if uses_onednn(m):
+                del m.forward
 
 
 def uses_onednn(m: nn.Module) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 from mmformer.models import AttentionConfig, MultimodalModel, build_backbone
 from mmformer.models.heads import LMHead
 from mmformer.nn.lora import LoRALinear
-from mmformer.nn.onednn import covered, onednn_linear, use_onednn, uses_onednn
+from mmformer.nn.onednn import covered, onednn_linear, onednn_routed, use_onednn, uses_onednn
 from mmformer.nn.packed import packed_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
@@ -190,3 +190,45 @@ def test_only_linears_large_enough_to_gain_are_routed():
     model = nn.ModuleDict({"small": nn.Linear(256, 1024), "large": nn.Linear(384, 1152)})
     assert use_onednn(model) == 1
     assert uses_onednn(model["large"]) and not uses_onednn(model["small"])
+
+
+def test_routing_for_a_context_restores_only_what_it_routed():
+    model = nn.ModuleDict({"a": nn.Linear(600, 600), "b": nn.Linear(600, 600), "small": nn.Linear(8, 8)})
+    use_onednn(model["a"])
+    with onednn_routed([model]) as n:
+        assert (
+            n == 1 and uses_onednn(model["a"]) and uses_onednn(model["b"]) and not uses_onednn(model["small"])
+        )
+    assert uses_onednn(model["a"]) and not uses_onednn(model["b"]) and "forward" not in model["b"].__dict__
+    with pytest.raises(ValueError), onednn_routed([model]):
+        raise ValueError
+    assert not uses_onednn(model["b"])
+
+
+def test_generation_prefills_on_onednn_gives_the_same_ids_and_leaves_the_model_as_it_was(monkeypatch):
+    import contextlib
+
+    import mmformer.models.generate as gen
+    from mmformer.tokenizers import TextEmbedding
+
+    torch.manual_seed(0)
+    emb, head = TextEmbedding(100, 512, max_len=64), LMHead(512, 100)
+    model = MultimodalModel(
+        {"text": emb}, build_backbone(512, 2, AttentionConfig(8), causal=True), {"lm": head}
+    )
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    routed = []
+
+    @contextlib.contextmanager
+    def recording(modules):
+        with onednn_routed(modules) as n:
+            routed.append(n)
+            yield n
+
+    monkeypatch.setattr(gen, "onednn_routed", recording)
+    with_onednn = gen.generate(model, "text", "lm", ids, valid, max_new_tokens=6)
+    assert routed == [2 * 3]  # qkv, fc1, fc2 of both blocks; not the 512 × 512 projection nor the head
+    assert not any(uses_onednn(m) for m in model.modules())
+    monkeypatch.setattr(gen, "onednn_routed", lambda modules: contextlib.nullcontext(0))
+    assert with_onednn == gen.generate(model, "text", "lm", ids, valid, max_new_tokens=6)
