@@ -15,7 +15,8 @@ way for training; this is that idea without the extra dependency or the packed w
 ``∂W = gᵀ x``) also on oneDNN, and the bias gradient ``Σ g``. It falls back to ``F.linear`` — same values
 up to the kernels' rounding — for anything it does not cover: another device or dtype, autocast, a
 graph being compiled (inductor picks its own kernels), an active dispatch or function mode
-(``FlopCounterMode`` counts the linear's FLOPs as usual), tensor subclasses (DTensor shards, fake
+(``FlopCounterMode`` counts the linear's FLOPs as usual), ``torch.func`` transforms, the TorchScript
+tracer, operands whose shapes do not match (F.linear's message), tensor subclasses (DTensor shards, fake
 tensors), empty or 1-D inputs, or a PyTorch built without oneDNN. Double backward is not supported
 (``once_differentiable``: a clear error, never a wrong second derivative).
 
@@ -81,10 +82,14 @@ def covered(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
         and (bias is None or (type(bias.data) is torch.Tensor and bias.dtype == torch.float32))
         and x.dim() >= 2
         and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]  # else F.linear's own message names the shapes
+        and (bias is None or bias.shape == weight.shape[:1])
         and x.numel() > 0
         and not torch.is_autocast_enabled("cpu")
         and _get_current_dispatch_mode() is None  # FlopCounterMode, FakeTensorMode, …: they see F.linear
         and not _is_torch_function_mode_enabled()
+        and not torch._C._are_functorch_transforms_active()  # torch.func.grad / vmap / jacrev
+        and not torch.jit.is_tracing()
     )
 
 
@@ -100,9 +105,16 @@ def forward(self: nn.Linear, x: Tensor) -> Tensor:  # named ``forward``: see ``u
     return onednn_linear(x, self.weight, self.bias)
 
 
+def _own_forward(m: nn.Module) -> bool:
+    """Whether ``m`` runs its class's forward: no instance ``forward``, or only the bound class method an
+    unpickled routed linear carries."""
+    f = m.__dict__.get("forward")
+    return f is None or (isinstance(f, types.MethodType) and f.__func__ is type(m).forward)
+
+
 def _plain_linears(module: nn.Module, min_weights: int) -> Iterator[nn.Linear]:
     for m in module.modules():
-        if type(m) is nn.Linear and "forward" not in m.__dict__ and m.weight.numel() > min_weights:
+        if type(m) is nn.Linear and _own_forward(m) and m.weight.numel() > min_weights:
             yield m
 
 
@@ -112,7 +124,8 @@ def use_onednn(module: nn.Module, min_weights: int = MIN_WEIGHTS) -> int:
     below it slower) through ``onednn_linear``, in place (their instance ``forward``; a linear whose
     forward is already patched, by this or anything else, is left alone). Returns how many were
     routed: 0 when PyTorch has no oneDNN. A pickled model unpickles with PyTorch's own forward (the
-    patch is looked up by name)."""
+    patch is looked up by name) and can be routed again. Not for ``torch.jit.script`` (trace it, or
+    ``torch.export``: both see ``aten.linear``)."""
     if not _AVAILABLE:
         return 0
     linears = list(_plain_linears(module, min_weights))

@@ -82,15 +82,17 @@ def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
                         continue
                     _packed[m] = (_key(m.weight), *form)
                 own = m.__dict__.get("forward")
-                if own is not None and getattr(own, "__func__", None) is not _packed_forward:
+                outermost = own is None or getattr(own, "__func__", None) is not _packed_forward
+                if own is not None and outermost:
                     _unpacked[m] = own
                 m.forward = types.MethodType(_packed_forward, m)
-                linears.append(m)
+                linears.append((m, own, outermost))
     try:
         yield len(linears)
     finally:
-        for m in linears:
-            own = _unpacked.pop(m, None)
+        for m, own, outermost in linears:  # each back to what it was on entry (a nested context: packed)
+            if outermost:
+                _unpacked.pop(m, None)
             if own is None:
                 m.__dict__.pop("forward", None)
             else:

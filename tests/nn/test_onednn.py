@@ -160,6 +160,7 @@ def test_a_routed_model_copies_and_pickles():
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert uses_onednn(head) and not uses_onednn(loaded.heads["lm"].head)  # PyTorch's forward again
+    assert use_onednn(loaded, min_weights=0) == use_onednn(_gpt(), min_weights=0)  # and routable again
     ids = torch.randint(0, 50, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, "text", "lm"), routed(ids, "text", "lm"), rtol=1e-5, atol=1e-6)
@@ -232,3 +233,31 @@ def test_generation_prefills_on_onednn_gives_the_same_ids_and_leaves_the_model_a
     assert not any(uses_onednn(m) for m in model.modules())
     monkeypatch.setattr(gen, "onednn_routed", lambda modules: contextlib.nullcontext(0))
     assert with_onednn == gen.generate(model, "text", "lm", ids, valid, max_new_tokens=6)
+
+
+def test_function_transforms_tracing_and_mismatched_shapes_run_f_linear():
+    lin = nn.Linear(8, 5)
+    use_onednn(lin, min_weights=0)
+    x = torch.randn(3, 8)
+    params = dict(lin.named_parameters())
+    grads = torch.func.grad(lambda p, x: torch.func.functional_call(lin, p, (x,)).sum())(params, x)
+    torch.testing.assert_close(grads["weight"], x.sum(0).expand(5, 8))
+    torch.testing.assert_close(
+        torch.func.vmap(lambda r: lin(r[None]))(x)[:, 0], F.linear(x, lin.weight, lin.bias)
+    )
+    traced = torch.jit.trace(lin, x)
+    torch.testing.assert_close(traced(x), F.linear(x, lin.weight, lin.bias))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # F.linear's message, not oneDNN's
+        lin(torch.randn(3, 9))
+
+
+def test_nested_packed_contexts_restore_the_onednn_forward_at_the_outer_exit():
+    head = nn.Linear(16, 10)
+    use_onednn(head, min_weights=0)
+    with torch.no_grad(), packed_linears([head], rows=2):
+        with packed_linears([head], rows=2):
+            pass
+        assert not uses_onednn(head)  # still packed: the outer context is open
+        x = torch.randn(2, 3, 16)  # a prefill inside the outer context: its own (oneDNN) forward
+        torch.testing.assert_close(head(x), F.linear(x, head.weight, head.bias), rtol=1e-5, atol=1e-5)
+    assert uses_onednn(head)
