@@ -20,9 +20,10 @@ tracer, operands whose shapes do not match (F.linear's message), tensor subclass
 tensors), empty or 1-D inputs, or a PyTorch built without oneDNN. Double backward is not supported
 (``once_differentiable``: a clear error, never a wrong second derivative).
 
-``use_onednn(module)`` routes every plain ``nn.Linear`` of ``module`` (exactly that class, not its
-subclasses) through it, in place: ``state_dict`` keys, parameters and hooks are unchanged; a
-linear's forward is patched once. Shapes: ``(..., in_features) → (..., out_features)``.
+``use_onednn(module)`` routes every plain ``nn.Linear`` of ``module`` with more than ``MIN_WEIGHTS``
+weights (exactly that class, not its subclasses) through it, in place (``onednn_routed``: for a
+context): ``state_dict`` keys, parameters and hooks are unchanged; a linear's forward is patched once.
+Shapes: ``(..., in_features) → (..., out_features)``.
 """
 
 from __future__ import annotations
@@ -126,12 +127,15 @@ def use_onednn(module: nn.Module, min_weights: int = MIN_WEIGHTS) -> int:
     routed: 0 when PyTorch has no oneDNN. A pickled model unpickles with PyTorch's own forward (the
     patch is looked up by name) and can be routed again. Not for ``torch.jit.script`` (trace it, or
     ``torch.export``: both see ``aten.linear``)."""
-    if not _AVAILABLE:
-        return 0
-    linears = list(_plain_linears(module, min_weights))
+    return len(_route([module], min_weights))
+
+
+def _route(modules: Iterable[nn.Module], min_weights: int) -> list[nn.Linear]:
+    """Patch the instance forward of ``modules``' plain linears above ``min_weights``; returns them."""
+    linears = [m for module in modules for m in _plain_linears(module, min_weights)] if _AVAILABLE else []
     for m in linears:
         m.forward = types.MethodType(forward, m)
-    return len(linears)
+    return linears
 
 
 @contextlib.contextmanager
@@ -140,9 +144,7 @@ def onednn_routed(modules: Iterable[nn.Module], min_weights: int = MIN_WEIGHTS) 
     exit (those routed before stay routed). Yields how many it routed. For an inference pass whose
     products gain (a prompt's prefill: SmolLM2-135M's 20-token prefill 1.31× faster at batch 1, 1.22× at
     batch 4) on a model the caller keeps as it was."""
-    routed = [m for module in modules for m in _plain_linears(module, min_weights)] if _AVAILABLE else []
-    for m in routed:
-        m.forward = types.MethodType(forward, m)
+    routed = _route(modules, min_weights)
     try:
         yield len(routed)
     finally:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .layout import _linears
+from .onednn import _product
 
 # module → (the weight's key when packed, "onednn" or "column-major", the packed weight)
 _packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, str, Tensor]] = weakref.WeakKeyDictionary()
@@ -124,9 +125,7 @@ def _packed_forward(self: nn.Linear, x: Tensor) -> Tensor:
     if kind == "column-major" and rows == 1:
         return F.linear(x, packed, self.bias)
     if kind == "onednn" and rows >= 2:
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(rows, x.shape[-1]), packed, self.bias, "none", [], ""
-        )
+        y = _product(x.reshape(rows, x.shape[-1]), packed, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
     return _unpacked_forward(self, x)
 
