@@ -37,9 +37,10 @@ train with the fused kernel, a plain ``torch.optim.AdamW`` / timm's ``create_opt
 ``adamw_torch_fused``), so that ratio measures defaults, not implementations. Generation has no
 optimizer and runs once.
 
-``--linears``: mmformer's training steps multiply on oneDNN as ``mmformer train`` does by default
-(``trainer.onednn_linears``, ``mmformer.nn.onednn.use_onednn``: forward and both backward products;
-the peer keeps PyTorch's linears, MKL). ``aten``: mmformer on PyTorch's linears too (the same kernels on
+``--linears``: by default (``auto``) mmformer's training steps multiply as ``mmformer train`` chooses
+(``trainer.onednn_linears: null``): on oneDNN (``mmformer.nn.onednn.use_onednn``: forward and both backward
+products) where ``nn.onednn.faster_here()`` measures it faster on this CPU, else on PyTorch's (MKL), which
+the peer always keeps; ``onednn`` forces oneDNN. ``aten``: mmformer on PyTorch's linears too (the same kernels on
 both sides); ``both``: oneDNN, with a copy of mmformer on PyTorch's linears as one more column, so the
 gain from the linears alone is measured in the same rounds.
 
@@ -92,7 +93,7 @@ class Settings:
     )
     peer_compile: bool = False  # generate, with compile_decoding: also transformers' static cache + compile
     compile: bool = False  # training: regional per-block torch.compile (mmformer; and the peer, a 2nd column)
-    linears: str = "onednn"  # training: mmformer's CPU linears — onednn (as mmformer train), aten, both
+    linears: str = "onednn"  # training: mmformer's CPU linears — onednn, aten, both (--linears auto: chosen)
     block: int = 1  # calls of one side in a row per round; > 1: the first is untimed (the switch's cost)
 
 
@@ -962,6 +963,18 @@ def summary_table(title: str, results: list[Result]) -> None:
         )
 
 
+def _linears(choice: str, threads: int) -> str:
+    """``--linears auto`` → what ``mmformer train`` picks by default here (``trainer.onednn_linears: null``)."""
+    if choice != "auto":
+        return choice
+    from mmformer.nn.onednn import faster_here
+
+    torch.set_num_threads(threads)
+    picked = "onednn" if faster_here() else "aten"
+    print(f"--linears auto: {picked} (nn.onednn.faster_here() on this CPU at {threads} thread(s))")
+    return picked
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes, few pairs: checks the script works")
@@ -987,11 +1000,12 @@ def main() -> None:
     )
     p.add_argument(
         "--linears",
-        choices=("onednn", "aten", "both"),
-        default="onednn",
-        help="training: mmformer's CPU linears on oneDNN (default, as mmformer train: "
-        "trainer.onednn_linears) or on PyTorch's own (aten); both: oneDNN, plus a copy on PyTorch's as "
-        "one more column (the gain from the linears alone, in the same rounds)",
+        choices=("auto", "onednn", "aten", "both"),
+        default="auto",
+        help="training: mmformer's CPU linears as mmformer train chooses them by default (auto: on oneDNN "
+        "where nn.onednn.faster_here() measures it faster on this CPU, else PyTorch's), on oneDNN, or on "
+        "PyTorch's own (aten); both: oneDNN, plus a copy on PyTorch's as one more column (the gain from "
+        "the linears alone, in the same rounds)",
     )
     p.add_argument(
         "--block",
@@ -1035,7 +1049,7 @@ def main() -> None:
         compile_decoding=a.compile_decoding,
         peer_compile=a.peer_compile,
         compile=a.compile,
-        linears=a.linears,
+        linears=_linears(a.linears, a.threads),
         block=a.block,
     )
     optimizers = ("fused", "loop") if s.optimizer == "same" else (s.optimizer,)

@@ -8,6 +8,9 @@ correct while the optimizer changes the weights every step. Measured on a 1-thre
 256 rows 431 → 262 ms forward; its blocks' products 7–23 % faster forward + backward; a training step
 1.13× (GPT-2 small), 1.18× (SmolLM2-135M), 1.07× (ViT-S) the same model on MKL. Small products lose
 (a oneDNN call costs ~0.05 ms more to set up), hence ``use_onednn``'s ``MIN_WEIGHTS``.
+On another Xeon core (AVX-512, no AMX) the same products were 0.71–0.85× as fast on oneDNN and the GPT-2
+step 0.85×: which library wins depends on the CPU, so ``faster_here()`` measures it (``mmformer train``'s
+default, ``trainer.onednn_linears: null``).
 Intel's extension for PyTorch (IPEX, ``ipex.optimize(model, optimizer)``) replaced CPU linears the same
 way for training; this is that idea without the extra dependency or the packed weight copies.
 
@@ -29,6 +32,9 @@ Shapes: ``(..., in_features) → (..., out_features)``.
 from __future__ import annotations
 
 import contextlib
+import functools
+import statistics
+import time
 import types
 from collections.abc import Iterable, Iterator
 
@@ -100,6 +106,37 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     if not covered(x, weight, bias):
         return F.linear(x, weight, bias)
     return _OneDNNLinear.apply(x, weight, bias)
+
+
+def faster_here(in_features: int = 768, out_features: int = 3072, rows: int = 256, rounds: int = 5) -> bool:
+    """Whether ``onednn_linear`` trains a ``rows × in → out`` linear (forward and both backward products)
+    at least 5 % faster than ``F.linear`` on this CPU with the current number of threads: the two timed
+    alternately, ``rounds`` times each after a warm-up, the median of the per-round ratios. Cached per
+    shape and thread count (about 0.3 s the first time at the default GPT-2 MLP shape). False without
+    oneDNN. Which library wins depends on the CPU: ``python bench/linears.py`` measured oneDNN 1.15–1.43×
+    faster on one AVX-512 Xeon core and 0.71–0.87× on another (``bench/README.md``), hence a measurement
+    rather than a fixed default (``trainer.onednn_linears: null``)."""
+    return _AVAILABLE and _faster(in_features, out_features, rows, rounds, torch.get_num_threads())
+
+
+@functools.cache
+def _faster(in_features: int, out_features: int, rows: int, rounds: int, threads: int) -> bool:
+    del threads  # part of the cache key only
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=g, requires_grad=True)
+    w = torch.randn(out_features, in_features, generator=g, requires_grad=True)
+    b = torch.zeros(out_features, requires_grad=True)
+    dy = torch.randn(rows, out_features, generator=g)
+
+    def seconds(f) -> float:
+        start = time.perf_counter()
+        torch.autograd.backward(f(x, w, b), dy, inputs=[x, w, b])
+        return time.perf_counter() - start
+
+    with torch.enable_grad():
+        seconds(F.linear), seconds(_OneDNNLinear.apply)  # warm-up: oneDNN creates its primitives
+        ratios = [seconds(F.linear) / seconds(_OneDNNLinear.apply) for _ in range(rounds)]
+    return statistics.median(ratios) >= 1.05
 
 
 def forward(self: nn.Linear, x: Tensor) -> Tensor:  # named ``forward``: see ``use_onednn``

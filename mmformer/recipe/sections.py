@@ -144,8 +144,10 @@ class TrainerConfig:
     compile: bool = False  # torch.compile every transformer block (models.parallelize; keys stay clean)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     # CPU float32 linears multiply on oneDNN, forward and backward (mmformer.nn.onednn: the same values up to
-    # rounding, faster than PyTorch's MKL products); false: PyTorch's own. No effect on a GPU
-    onednn_linears: bool = True
+    # rounding; faster than PyTorch's MKL products on some CPUs, slower on others); false: PyTorch's own;
+    # null: whichever a 0.3 s measurement at the start finds faster on this CPU (nn.onednn.faster_here).
+    # No effect on a GPU
+    onednn_linears: Optional[bool] = None
     # intra-op threads per process; null: OMP_NUM_THREADS if set, else cores // processes per node
     # (mmformer.training.threads)
     threads: Optional[int] = None

@@ -20,6 +20,7 @@ import random
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -28,7 +29,7 @@ from ..data.windows import WINDOW
 from ..models import parallelize
 from ..models.backbone import Backbone
 from ..models.model import MultimodalModel
-from ..nn.onednn import use_onednn
+from ..nn.onednn import faster_here, use_onednn
 from ..training.checkpoint_io import resume_hint
 from ..training.optim import build_optimizer, build_scheduler
 from ..training.steps import forget_step_values
@@ -129,7 +130,8 @@ class MultiTaskModule(L.LightningModule):
     compile_blocks, checkpoint_blocks: ``torch.compile`` / activation checkpointing per block
         (``trainer.compile``, ``trainer.activation_checkpointing``), applied in ``configure_model``.
     onednn_linears: the model's CPU float32 linears on oneDNN (``trainer.onednn_linears``;
-        ``nn.onednn.use_onednn``), applied in ``configure_model`` before the other two.
+        ``nn.onednn.use_onednn``), applied in ``configure_model`` before the other two; None: where
+        ``nn.onednn.faster_here()`` measures oneDNN faster on this CPU (never on another accelerator).
     task_modalities: task → the modality of its input tokenizer (per-modality losses).
     tokenizer_files: text tokenizer name → its JSON, stored in every checkpoint (it stands alone).
     pretrained_configs: pretrained source → its family and config, stored in every checkpoint.
@@ -148,7 +150,7 @@ class MultiTaskModule(L.LightningModule):
         *,
         compile_blocks: bool = False,
         checkpoint_blocks: bool = False,
-        onednn_linears: bool = False,
+        onednn_linears: bool | None = False,
         task_modalities: dict[str, str] | None = None,
         tokenizer_files: dict[str, str] | None = None,
         pretrained_configs: dict[str, dict] | None = None,
@@ -178,6 +180,13 @@ class MultiTaskModule(L.LightningModule):
         self._window_totals: list[list[float]] = []  # per task: micro-batches, units, over all ranks
         self._step_norm = None  # (params, gradient norm) of this optimizer step, for its clipping
 
+    def _routes_onednn(self) -> bool:
+        """``onednn_linears``, or for None whether oneDNN measures faster here (on a CPU accelerator)."""
+        if self.onednn_linears is not None:
+            return self.onednn_linears
+        on_cpu = self._trainer is None or isinstance(self.trainer.accelerator, CPUAccelerator)
+        return on_cpu and faster_here()
+
     def configure_model(self) -> None:
         """oneDNN linears on the CPU (``nn.onednn``), then activation checkpointing, ``torch.compile`` and
         FSDP2 sharding, per block, in that order (``models.parallelize``; keys stay clean). Under
@@ -187,7 +196,7 @@ class MultiTaskModule(L.LightningModule):
         if self._configured:
             return
         self._configured = True
-        if self.onednn_linears:  # a linear on another device, or under compile / autocast, runs F.linear
+        if self._routes_onednn():  # a linear on another device, or under compile / autocast, runs F.linear
             use_onednn(self.model)
         if self.checkpoint_blocks:
             parallelize.checkpoint_blocks(self.model)

@@ -261,3 +261,17 @@ def test_nested_packed_contexts_restore_the_onednn_forward_at_the_outer_exit():
         x = torch.randn(2, 3, 16)  # a prefill inside the outer context: its own (oneDNN) forward
         torch.testing.assert_close(head(x), F.linear(x, head.weight, head.bias), rtol=1e-5, atol=1e-5)
     assert uses_onednn(head)
+
+
+def test_faster_here_measures_once_per_shape_and_thread_count(monkeypatch):
+    import time
+
+    from mmformer.nn import onednn
+
+    first = onednn.faster_here(256, 1024, rows=64, rounds=3)
+    assert isinstance(first, bool)
+    start = time.perf_counter()
+    assert onednn.faster_here(256, 1024, rows=64, rounds=3) is first  # cached: not measured again
+    assert time.perf_counter() - start < 1e-3
+    monkeypatch.setattr(onednn, "_AVAILABLE", False)
+    assert onednn.faster_here(256, 1024, rows=64, rounds=3) is False  # no oneDNN: PyTorch's linears

@@ -246,9 +246,9 @@ def test_sharded_checkpoints_resume_validate_and_merge_into_safetensors(workdir)
 
 @pytest.mark.slow
 def test_onednn_linears_give_the_same_gradient_on_one_process_ddp_and_fsdp2(workdir):
-    """At width 384 the blocks' linears are large enough to run on oneDNN (``trainer.onednn_linears``, the
-    default; ``nn.onednn.MIN_WEIGHTS``): one process, DDP and FSDP2 (whose forward reads the gathered
-    weights) give the gradient of PyTorch's own linears."""
+    """At width 384 the blocks' linears are large enough to run on oneDNN (``nn.onednn.MIN_WEIGHTS``;
+    ``trainer.onednn_linears=true``, forced: the default measures which library is faster here): one
+    process, DDP and FSDP2 (whose forward reads the gathered weights) give the gradient of PyTorch's own linears."""
     corpus = _corpus(workdir / "corpus.txt")
     one = workdir / "wide.yaml"
     one.write_text(
@@ -260,4 +260,5 @@ def test_onednn_linears_give_the_same_gradient_on_one_process_ddp_and_fsdp2(work
         "ddp": [*LAYOUTS["ddp"][0], "tasks.corpus.data.batch_size=4"],
         "fsdp2": [*LAYOUTS["fsdp2"][0], "tasks.corpus.data.batch_size=4"],
     }.items():
+        overrides = [*overrides, "trainer.onednn_linears=true"]
         _assert_same(reference, _gradients(_run(one, workdir, name, overrides))[0], name)

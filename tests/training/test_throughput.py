@@ -41,24 +41,26 @@ def test_training_logs_tflops_data_wait_and_peak_memory(tiny_recipe, workdir):
     assert "throughput/mfu" not in values  # no known peak for a CPU
 
 
-@pytest.mark.parametrize("onednn", [True, False])
-def test_training_routes_large_cpu_linears_through_onednn_unless_switched_off(tiny_recipe, workdir, onednn):
-    from mmformer.nn.onednn import MIN_WEIGHTS, uses_onednn
+@pytest.mark.parametrize("onednn", [True, False, None])
+def test_training_routes_large_cpu_linears_through_onednn_as_the_recipe_says(tiny_recipe, workdir, onednn):
+    """true / false force it; null (the default) routes them where oneDNN measures faster on this CPU."""
+    from mmformer.nn.onednn import MIN_WEIGHTS, faster_here, uses_onednn
 
     recipe = load_recipe(
         tiny_recipe,
         [
             "trainer.max_steps=1",
             "model.backbone.d_model=384",
-            *([] if onednn else ["trainer.onednn_linears=false"]),
+            *([] if onednn is None else [f"trainer.onednn_linears={str(onednn).lower()}"]),
         ],
     )
-    assert recipe.trainer.onednn_linears is onednn  # true unless the recipe says otherwise
+    assert recipe.trainer.onednn_linears is onednn  # null unless the recipe says otherwise
     trainer, _ = train(recipe, [])
     block = trainer.lightning_module.model.backbone.blocks[0]
     linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    routes = faster_here() if onednn is None else onednn
     routed = [uses_onednn(m) for m in linears]
-    assert routed == [onednn and m.weight.numel() > MIN_WEIGHTS for m in linears]
+    assert routed == [routes and m.weight.numel() > MIN_WEIGHTS for m in linears]
     assert routed.count(True) == (
-        3 if onednn else 0
+        3 if routes else 0
     )  # qkv 384 × 1152, fc1, fc2; not the 384 × 384 projection
