@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..nn.kv_cache import KVCache
-from ..nn.onednn import onednn_routed
+from ..nn.onednn import faster_here, onednn_routed
 from ..nn.packed import packed_linears
 from ..progress import progress
 from .compiled_decoding import compiled_step
@@ -92,7 +92,8 @@ def generate(
             )
         max_new_tokens = min(max_new_tokens, room)
     cache = KVCache(capacity=ids.shape[1] + max_new_tokens)
-    with onednn_routed([model]):  # the prompt's products, many rows: on oneDNN (nn.onednn)
+    # the prompt's products, many rows: on oneDNN where it is the faster library on this CPU (nn.onednn)
+    with onednn_routed([model] if ids.device.type == "cpu" and faster_here() else []):
         hidden, tokens = model.encode(tokenizer, ids, cache=cache, valid=valid)
         logits = model.heads[head](hidden[:, -1:], tokens)[:, -1]  # the prompt's last position only
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
