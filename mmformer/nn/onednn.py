@@ -122,18 +122,18 @@ def faster_here(in_features: int = 768, out_features: int = 3072, rows: int = 25
 @functools.cache
 def _faster(in_features: int, out_features: int, rows: int, rounds: int, threads: int) -> bool:
     del threads  # part of the cache key only
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, in_features, generator=g, requires_grad=True)
-    w = torch.randn(out_features, in_features, generator=g, requires_grad=True)
-    b = torch.zeros(out_features, requires_grad=True)
-    dy = torch.randn(rows, out_features, generator=g)
+    with torch.inference_mode(False), torch.enable_grad():  # callers may be in either (generate)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, in_features, generator=g, requires_grad=True)
+        w = torch.randn(out_features, in_features, generator=g, requires_grad=True)
+        b = torch.zeros(out_features, requires_grad=True)
+        dy = torch.randn(rows, out_features, generator=g)
 
-    def seconds(f) -> float:
-        start = time.perf_counter()
-        torch.autograd.backward(f(x, w, b), dy, inputs=[x, w, b])
-        return time.perf_counter() - start
+        def seconds(f) -> float:
+            start = time.perf_counter()
+            torch.autograd.backward(f(x, w, b), dy, inputs=[x, w, b])
+            return time.perf_counter() - start
 
-    with torch.enable_grad():
         seconds(F.linear), seconds(_OneDNNLinear.apply)  # warm-up: oneDNN creates its primitives
         ratios = [seconds(F.linear) / seconds(_OneDNNLinear.apply) for _ in range(rounds)]
     return statistics.median(ratios) >= 1.05

@@ -279,5 +279,7 @@ def test_faster_here_measures_once_per_shape_and_thread_count(monkeypatch):
     start = time.perf_counter()
     assert onednn.faster_here(256, 1024, rows=64, rounds=3) is first  # cached: not measured again
     assert time.perf_counter() - start < 1e-3
+    with torch.inference_mode():  # as generate may be called: measured all the same
+        assert isinstance(onednn.faster_here(128, 512, rows=32, rounds=3), bool)
     monkeypatch.setattr(onednn, "_AVAILABLE", False)
     assert onednn.faster_here(256, 1024, rows=64, rounds=3) is False  # no oneDNN: PyTorch's linears
