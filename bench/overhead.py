@@ -79,7 +79,7 @@ def bare_loop(recipe, steps: int, warmup: int, in_memory: bool) -> float:
     """Seconds per step of a plain training loop over the recipe's model, optimizer and batches."""
     from mmformer.build import BuildContext, build_datamodule, build_module
     from mmformer.data.windows import WINDOW
-    from mmformer.nn.onednn import faster_here, use_onednn
+    from mmformer.nn.onednn import use_onednn
     from mmformer.training.optim import build_optimizer, build_scheduler
 
     L.seed_everything(recipe.seed, verbose=False)
@@ -87,8 +87,8 @@ def bare_loop(recipe, steps: int, warmup: int, in_memory: bool) -> float:
     datamodule = build_datamodule(recipe, ctx)
     module = build_module(recipe, ctx=ctx)
     model, tasks, weights = module.model, module.tasks, module.weights
-    routed = recipe.trainer.onednn_linears
-    if routed or (routed is None and faster_here()):  # the same products as mmformer train (configure_model)
+    module.onednn_linears = recipe.trainer.onednn_linears  # as build.trainer sets it for mmformer train
+    if module.routes_onednn():  # the same products as mmformer train (its configure_model)
         use_onednn(model)
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, recipe.optim, steps)

@@ -963,15 +963,15 @@ def summary_table(title: str, results: list[Result]) -> None:
         )
 
 
-def _linears(choice: str, threads: int) -> str:
-    """``--linears auto`` → what ``mmformer train`` picks by default here (``trainer.onednn_linears: null``)."""
+def _linears(choice: str) -> str:
+    """``--linears auto`` → what ``mmformer train`` picks by default here (``trainer.onednn_linears: null``),
+    at the thread count already set."""
     if choice != "auto":
         return choice
     from mmformer.nn.onednn import faster_here
 
-    torch.set_num_threads(threads)
     picked = "onednn" if faster_here() else "aten"
-    print(f"--linears auto: {picked} (nn.onednn.faster_here() on this CPU at {threads} thread(s))")
+    print(f"--linears auto: {picked} (nn.onednn.faster_here() at {torch.get_num_threads()} thread(s))")
     return picked
 
 
@@ -1049,7 +1049,7 @@ def main() -> None:
         compile_decoding=a.compile_decoding,
         peer_compile=a.peer_compile,
         compile=a.compile,
-        linears=_linears(a.linears, a.threads),
+        linears=_linears(a.linears),
         block=a.block,
     )
     optimizers = ("fused", "loop") if s.optimizer == "same" else (s.optimizer,)

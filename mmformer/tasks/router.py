@@ -180,8 +180,9 @@ class MultiTaskModule(L.LightningModule):
         self._window_totals: list[list[float]] = []  # per task: micro-batches, units, over all ranks
         self._step_norm = None  # (params, gradient norm) of this optimizer step, for its clipping
 
-    def _routes_onednn(self) -> bool:
-        """``onednn_linears``, or for None whether oneDNN measures faster here (on a CPU accelerator)."""
+    def routes_onednn(self) -> bool:
+        """Whether ``configure_model`` routes the linears through oneDNN: ``onednn_linears``, or for None
+        whether oneDNN measures faster here (on a CPU accelerator, or with no trainer attached)."""
         if self.onednn_linears is not None:
             return self.onednn_linears
         on_cpu = self._trainer is None or isinstance(self.trainer.accelerator, CPUAccelerator)
@@ -196,7 +197,7 @@ class MultiTaskModule(L.LightningModule):
         if self._configured:
             return
         self._configured = True
-        if self._routes_onednn():  # a linear on another device, or under compile / autocast, runs F.linear
+        if self.routes_onednn():  # a linear on another device, or under compile / autocast, runs F.linear
             use_onednn(self.model)
         if self.checkpoint_blocks:
             parallelize.checkpoint_blocks(self.model)

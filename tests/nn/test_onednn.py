@@ -233,9 +233,8 @@ def test_generation_prefills_on_onednn_where_faster_gives_the_same_ids_and_leave
     monkeypatch.setattr(gen, "onednn_routed", recording)
     monkeypatch.setattr(gen, "faster_here", lambda: faster)  # what this CPU measures, either way
     with_onednn = gen.generate(model, "text", "lm", ids, valid, max_new_tokens=6)
-    assert routed == [
-        2 * 3 if faster else 0
-    ]  # qkv, fc1, fc2 of both blocks; not the 512 × 512 projection nor the head
+    # qkv, fc1, fc2 of both blocks; not the 512 × 512 projection nor the head
+    assert routed == [2 * 3 if faster else 0]
     assert not any(uses_onednn(m) for m in model.modules())
     monkeypatch.setattr(gen, "onednn_routed", lambda modules: contextlib.nullcontext(0))
     assert with_onednn == gen.generate(model, "text", "lm", ids, valid, max_new_tokens=6)

@@ -61,6 +61,5 @@ def test_training_routes_large_cpu_linears_through_onednn_as_the_recipe_says(tin
     routes = faster_here() if onednn is None else onednn
     routed = [uses_onednn(m) for m in linears]
     assert routed == [routes and m.weight.numel() > MIN_WEIGHTS for m in linears]
-    assert routed.count(True) == (
-        3 if routes else 0
-    )  # qkv 384 × 1152, fc1, fc2; not the 384 × 384 projection
+    # qkv 384 × 1152, fc1, fc2; not the 384 × 384 projection
+    assert routed.count(True) == (3 if routes else 0)
