@@ -36,6 +36,17 @@ from ..training.steps import forget_step_values
 from .base import Task
 
 
+def _on_every_rank(flag: bool) -> bool:
+    """``flag`` if it holds on every rank of the default process group (a MIN all-reduce; the flag
+    itself without one)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)])  # CPU accelerators only: gloo
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 def _rng_state() -> dict:
     np_state = np.random.get_state()
     return {
@@ -131,7 +142,8 @@ class MultiTaskModule(L.LightningModule):
         (``trainer.compile``, ``trainer.activation_checkpointing``), applied in ``configure_model``.
     onednn_linears: the model's CPU float32 linears on oneDNN (``trainer.onednn_linears``;
         ``nn.onednn.use_onednn``), applied in ``configure_model`` before the other two; None: where
-        ``nn.onednn.faster_here()`` measures oneDNN faster on this CPU (never on another accelerator).
+        ``nn.onednn.faster_here()`` measures oneDNN faster on this CPU — on every rank, under DDP / FSDP2 —
+        (never on another accelerator).
     task_modalities: task → the modality of its input tokenizer (per-modality losses).
     tokenizer_files: text tokenizer name → its JSON, stored in every checkpoint (it stands alone).
     pretrained_configs: pretrained source → its family and config, stored in every checkpoint.
@@ -182,11 +194,13 @@ class MultiTaskModule(L.LightningModule):
 
     def routes_onednn(self) -> bool:
         """Whether ``configure_model`` routes the linears through oneDNN: ``onednn_linears``, or for None
-        whether oneDNN measures faster here (on a CPU accelerator, or with no trainer attached)."""
+        whether oneDNN measures faster here (on a CPU accelerator, or with no trainer attached). Under
+        ``torch.distributed`` every rank measures and all take oneDNN only if all found it faster (a
+        collective: call it on every rank), so ranks never multiply with different libraries."""
         if self.onednn_linears is not None:
             return self.onednn_linears
         on_cpu = self._trainer is None or isinstance(self.trainer.accelerator, CPUAccelerator)
-        return on_cpu and faster_here()
+        return on_cpu and _on_every_rank(faster_here())
 
     def configure_model(self) -> None:
         """oneDNN linears on the CPU (``nn.onednn``), then activation checkpointing, ``torch.compile`` and

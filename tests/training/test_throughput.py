@@ -63,3 +63,30 @@ def test_training_routes_large_cpu_linears_through_onednn_as_the_recipe_says(tin
     assert routed == [routes and m.weight.numel() > MIN_WEIGHTS for m in linears]
     # qkv 384 × 1152, fc1, fc2; not the 384 × 384 projection
     assert routed.count(True) == (3 if routes else 0)
+
+
+def _measure_worker(rank: int, init_file: str, out: str) -> None:
+    import types
+
+    import torch.distributed as dist
+
+    import mmformer.tasks.router as router
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    router.faster_here = lambda: rank == 0  # oneDNN measured faster on rank 0 only
+    measured = types.SimpleNamespace(onednn_linears=None, _trainer=None)
+    forced = types.SimpleNamespace(onednn_linears=True, _trainer=None)
+    routes = [router.MultiTaskModule.routes_onednn(m) for m in (measured, forced)]
+    torch.save(routes, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_that_measure_differently_all_keep_pytorchs_linears(tmp_path):
+    """Two real gloo ranks whose measurements disagree: both take PyTorch's linears (a forced choice is
+    not measured, so it needs no collective)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_measure_worker, args=(str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"out.{rank}", weights_only=True) == [False, True]
