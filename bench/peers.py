@@ -342,8 +342,17 @@ def compare_training(
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy, the same function on both sides."""
+    """Next-token cross-entropy of the peer's logits (what transformers' ``ForCausalLMLoss`` computes)."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def mm_lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The same function on mmformer's side, computed as ``mmformer train`` does
+    (``CausalLMTask.training_loss``: the LM head's chunked cross-entropy, ``nn.linear_cross_entropy``)."""
+    from mmformer.tasks.language_model import CausalLMTask
+
+    batch = {"text": ids, "text_valid": torch.ones_like(ids, dtype=torch.bool)}
+    return CausalLMTask("text", "lm").training_loss(model, batch)
 
 
 # ---------------------------------------------------------------------------------------- (a) ViT
@@ -495,7 +504,7 @@ def bench_gpt2(s: Settings) -> list[Result]:
         "HF",
         ours,
         ref,
-        lambda m: lm_loss(m(ids, "text", "lm"), ids),
+        lambda m: mm_lm_loss(m, ids),
         lambda m: lm_loss(m(ids, use_cache=False).logits, ids),  # training: no KV cache
         lambda m: m.transformer.h,
         batch * seq,
@@ -581,7 +590,7 @@ def bench_llama(s: Settings) -> list[Result]:
         "HF",
         ours,
         ref,
-        lambda m: lm_loss(m(ids, "text", "lm"), ids),
+        lambda m: mm_lm_loss(m, ids),
         lambda m: lm_loss(m(ids, use_cache=False).logits, ids),  # training: no KV cache
         lambda m: m.model.layers,
         batch * seq,

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..nn.linear_cross_entropy import linear_cross_entropy
+from ..nn.onednn import runs_own_forward, uses_onednn
 from ..nn.tokens import Tokens
 
 
@@ -119,7 +121,10 @@ class ProjectionHead(nn.Module):
 class LMHead(nn.Module):
     """Next-token logits ``(B, N, V)`` from hidden states ``(B, N, D)`` (``head``, no bias as GPT-2 /
     Llama). ``tie_to(embedding)`` shares the token-embedding matrix (Press & Wolf 2017,
-    arXiv:1608.05859). Raises ``ValueError`` when the shapes differ."""
+    arXiv:1608.05859). Raises ``ValueError`` when the shapes differ. ``cross_entropy`` is the loss of
+    these logits without holding them (``chunk_rows`` rows at a time)."""
+
+    chunk_rows = 1024  # rows of logits alive at once in ``cross_entropy`` (GPT-2's vocabulary: 206 MB)
 
     def __init__(self, d_model: int, vocab_size: int):
         super().__init__()
@@ -136,6 +141,38 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
         return self.head(hidden)
+
+    def cross_entropy(
+        self, hidden: Tensor, targets: Tensor, ignore_index: int = -100, reduction: str = "mean"
+    ) -> Tensor:
+        """``F.cross_entropy`` of ``self(hidden)`` (float32) against ``targets (...)`` for hidden
+        ``(..., D)`` — ``reduction`` ``"mean"`` over the rows not ``ignore_index``, ``"sum"`` or ``"none"``
+        (``(...)``) — computed by ``nn.linear_cross_entropy``: never more than ``chunk_rows`` rows of
+        logits at once, the gradients taken with the loss. The same loss and gradients up to rounding.
+        A head whose linear was replaced (LoRA), hooked, sharded (a DTensor weight) or compiled runs
+        the plain computation. Raises ``linear_cross_entropy``'s ``ValueError`` for a bad ``reduction``
+        or mismatched shapes."""
+        lin = self.head
+        if (
+            type(lin) is nn.Linear
+            and (runs_own_forward(lin) or uses_onednn(lin))
+            and not (lin._forward_hooks or lin._forward_pre_hooks)
+            and type(lin.weight.data) is torch.Tensor
+            and not torch.compiler.is_compiling()
+        ):
+            return linear_cross_entropy(
+                hidden,
+                lin.weight,
+                targets,
+                lin.bias,
+                ignore_index,
+                reduction,
+                self.chunk_rows,
+                uses_onednn(lin),
+            )
+        logits = self.head(hidden).float().flatten(0, -2)
+        losses = F.cross_entropy(logits, targets.flatten(), ignore_index=ignore_index, reduction=reduction)
+        return losses.view(targets.shape) if reduction == "none" else losses
 
 
 class MLMHead(nn.Module):

@@ -143,7 +143,7 @@ def forward(self: nn.Linear, x: Tensor) -> Tensor:  # named ``forward``: see ``u
     return onednn_linear(x, self.weight, self.bias)
 
 
-def _own_forward(m: nn.Module) -> bool:
+def runs_own_forward(m: nn.Module) -> bool:
     """Whether ``m`` runs its class's forward: no instance ``forward``, or only the bound class method an
     unpickled routed linear carries."""
     f = m.__dict__.get("forward")
@@ -152,7 +152,7 @@ def _own_forward(m: nn.Module) -> bool:
 
 def _plain_linears(module: nn.Module, min_weights: int) -> Iterator[nn.Linear]:
     for m in module.modules():
-        if type(m) is nn.Linear and _own_forward(m) and m.weight.numel() > min_weights:
+        if type(m) is nn.Linear and runs_own_forward(m) and m.weight.numel() > min_weights:
             yield m
 
 

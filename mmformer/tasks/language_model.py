@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from ..models.generate import generate
+from ..models.heads import LMHead
 from ..models.model import MultimodalModel
 from ..tokenizers.text import TextTokenizer
 from ..training.media import Media, MediaContext, Table
@@ -69,18 +70,27 @@ class CausalLMTask(TaskBase):
             document=batch.get("text_document"),
         )  # (B, N, V)
 
-    def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
-        logits = self.logits(model, batch)[:, :-1]
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), next_token_targets(batch).flatten(), ignore_index=IGNORE
+    def token_losses(self, model: MultimodalModel, batch: dict, reduction: str) -> Tensor:
+        """The next-token cross-entropy (``reduction`` as ``F.cross_entropy``'s, over the counted
+        targets); an ``LMHead`` computes it without holding the ``(B, N, V)`` logits
+        (``LMHead.cross_entropy``), any other head from its logits."""
+        hidden, tokens = model.encode(
+            self.tokenizer, batch["text"], valid=batch["text_valid"], document=batch.get("text_document")
         )
+        head = model.heads[self.head]
+        targets = next_token_targets(batch)
+        if isinstance(head, LMHead):  # position-wise: the last position, which predicts nothing, is dropped
+            return head.cross_entropy(hidden[:, :-1], targets, IGNORE, reduction)
+        logits = head(hidden, tokens)[:, :-1].float().flatten(0, 1)
+        losses = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)
+        return losses.view(targets.shape) if reduction == "none" else losses
+
+    def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
+        return self.token_losses(model, batch, "mean")
 
     def validation_update(self, model: MultimodalModel, batch: dict) -> None:
-        logits = self.logits(model, batch)[:, :-1].float()
         targets = next_token_targets(batch)
-        losses = F.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
-        )
+        losses = self.token_losses(model, batch, "none").flatten()
         counted = targets.flatten() != IGNORE
         self.val_metrics["loss"].update(losses[counted])  # token-weighted over the whole validation set
         self.val_metrics["ppl"].update(losses[counted])

@@ -172,3 +172,45 @@ def test_generate_cli_reports_bad_input_in_one_line(workdir, capsys):
     with pytest.raises(SystemExit):
         main(["generate", ckpt, "--prompt", "x", "--top-k", "0"])
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def _logits_loss(model, batch):
+    """The loss as computed from the full logits (the reference the chunked loss must equal)."""
+    logits = model(batch["text"], "text", "lm", valid=batch["text_valid"], document=batch["text_document"])
+    targets = next_token_targets(batch)
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
+    ).view(targets.shape)
+
+
+@pytest.mark.parametrize("variant", ["tied", "onednn", "lora"])
+def test_the_training_loss_never_holds_the_logits_yet_equals_them(variant):
+    """An LMHead's loss is chunked (``nn.linear_cross_entropy``): the same loss, gradients (the tied
+    embedding's included) and validation perplexity as from the logits; a LoRA head runs the logits."""
+    from mmformer.nn.lora import apply_lora
+    from mmformer.nn.onednn import use_onednn
+    from mmformer.tasks.language_model import CausalLMTask
+
+    model = _lm(vocab=600, d=32).train()
+    if variant == "onednn":
+        assert use_onednn(model.heads, min_weights=0) == 1
+    if variant == "lora":
+        assert apply_lora(model, ("head",), rank=2, within="heads") == ["heads.lm.head"]
+    model.heads["lm"].chunk_rows = 5  # several chunks, the last one short
+    g = torch.Generator().manual_seed(3)
+    batch = {
+        "text": torch.randint(0, 600, (2, 9), generator=g),
+        "text_valid": torch.tensor([[True] * 9, [True] * 6 + [False] * 3]),
+        "text_document": torch.tensor([[0] * 4 + [1] * 5, [0] * 9]),
+    }
+    task = CausalLMTask("text", "lm")
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = task.training_loss(model, batch)
+    reference = _logits_loss(model, batch)
+    want = reference[next_token_targets(batch) != IGNORE].mean()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad(want, params)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        task.validation_update(model, batch)
+    torch.testing.assert_close(task.val_metrics["ppl"].compute(), want.detach().exp(), rtol=1e-5, atol=0)
