@@ -347,12 +347,11 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def mm_lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The same function on mmformer's side, computed as ``mmformer train`` does
-    (``CausalLMTask.training_loss``: the LM head's chunked cross-entropy, ``nn.linear_cross_entropy``)."""
-    from mmformer.tasks.language_model import CausalLMTask
-
-    batch = {"text": ids, "text_valid": torch.ones_like(ids, dtype=torch.bool)}
-    return CausalLMTask("text", "lm").training_loss(model, batch)
+    """The same function on mmformer's side, computed as ``mmformer train`` computes it
+    (``CausalLMTask.training_loss``: the LM head's chunked cross-entropy, ``LMHead.cross_entropy``, which
+    never holds the logits); written with the model library alone (the tasks import Lightning)."""
+    hidden, _ = model.encode("text", ids)
+    return model.heads["lm"].cross_entropy(hidden[:, :-1], ids[:, 1:])
 
 
 # ---------------------------------------------------------------------------------------- (a) ViT
