@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn.linear_cross_entropy import linear_cross_entropy
+from ..nn.linear_cross_entropy import linear_cross_entropy, logits_cross_entropy
 from ..nn.onednn import runs_own_forward, uses_onednn
 from ..nn.tokens import Tokens
 
@@ -170,9 +170,7 @@ class LMHead(nn.Module):
                 self.chunk_rows,
                 uses_onednn(lin),
             )
-        logits = self.head(hidden).float().flatten(0, -2)
-        losses = F.cross_entropy(logits, targets.flatten(), ignore_index=ignore_index, reduction=reduction)
-        return losses.view(targets.shape) if reduction == "none" else losses
+        return logits_cross_entropy(self.head(hidden), targets, ignore_index, reduction)
 
 
 class MLMHead(nn.Module):

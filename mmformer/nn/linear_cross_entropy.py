@@ -64,10 +64,7 @@ def linear_cross_entropy(
         )
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if reduction == "none" and grads:
-        logits = F.linear(hidden, weight, bias)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
-                               reduction="none").view(targets.shape)  # fmt: skip
+        return logits_cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index, "none")
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if not grads:
         with torch.no_grad():
@@ -78,6 +75,17 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(
         h, weight, bias, t, ignore_index, reduction == "mean", chunk_rows, onednn
     )
+
+
+def logits_cross_entropy(
+    logits: Tensor, targets: Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> Tensor:
+    """``F.cross_entropy`` of ``logits (..., V)``, taken in float32 (float64 stays), against ``targets
+    (...)``; ``"none"`` gives ``(...)``. The unfused computation, for heads ``linear_cross_entropy`` does
+    not cover."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, -2)
+    losses = F.cross_entropy(logits, targets.flatten(), ignore_index=ignore_index, reduction=reduction)
+    return losses.view(targets.shape) if reduction == "none" else losses
 
 
 def _reduce(losses: Tensor, counted: Tensor, reduction: str) -> Tensor:

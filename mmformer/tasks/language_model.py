@@ -11,13 +11,13 @@ the model changes).
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from ..models.generate import generate
 from ..models.heads import LMHead
 from ..models.model import MultimodalModel
+from ..nn.linear_cross_entropy import logits_cross_entropy
 from ..tokenizers.text import TextTokenizer
 from ..training.media import Media, MediaContext, Table
 from .base import TaskBase
@@ -61,15 +61,6 @@ class CausalLMTask(TaskBase):
         """Target tokens in ``batch`` (what the training loss averages over)."""
         return int((next_token_targets(batch) != IGNORE).sum())
 
-    def logits(self, model: MultimodalModel, batch: dict) -> Tensor:
-        return model(
-            batch["text"],
-            self.tokenizer,
-            self.head,
-            valid=batch["text_valid"],
-            document=batch.get("text_document"),
-        )  # (B, N, V)
-
     def token_losses(self, model: MultimodalModel, batch: dict, reduction: str) -> Tensor:
         """The next-token cross-entropy (``reduction`` as ``F.cross_entropy``'s, over the counted
         targets); an ``LMHead`` computes it without holding the ``(B, N, V)`` logits
@@ -81,9 +72,7 @@ class CausalLMTask(TaskBase):
         targets = next_token_targets(batch)
         if isinstance(head, LMHead):  # position-wise: the last position, which predicts nothing, is dropped
             return head.cross_entropy(hidden[:, :-1], targets, IGNORE, reduction)
-        logits = head(hidden, tokens)[:, :-1].float().flatten(0, 1)
-        losses = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction=reduction)
-        return losses.view(targets.shape) if reduction == "none" else losses
+        return logits_cross_entropy(head(hidden, tokens)[:, :-1], targets, IGNORE, reduction)
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
         return self.token_losses(model, batch, "mean")
