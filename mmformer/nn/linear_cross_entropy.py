@@ -10,6 +10,8 @@ logits (``softmax − one-hot``, scaled by the reduction), turned at once into t
 ``∂h = G W`` and the weight's ``∂W += Gᵀ h`` (and ``∂b += Σ G``). At most one ``chunk_rows × V`` block is
 alive; the backward pass only scales the gradients by the incoming one. The same loss and gradients as
 the unfused computation up to float rounding (sums in another order): ``tests/nn/test_linear_cross_entropy.py``.
+With the head tied to the input embedding, the weight's gradient is handed to that lookup, which adds its
+rows into it instead of into a fresh ``V × D`` tensor of zeros (``nn.tied_embedding``).
 
 Source: Liger Kernel's fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989, §3.3), which
 computes the gradients in the forward pass the same way; Wijmans et al. 2024 (arXiv:2411.09009, "Cut
@@ -24,6 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .onednn import _product, covered
+from .tied_embedding import hand_over, latest_lookup
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -153,11 +156,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, t, ignore_index, mean, chunk_rows, onednn):
         counted = t != ignore_index
-        n = counted.sum()
+        n = counted.sum().to(torch.promote_types(h.dtype, torch.float32))  # the logits' dtype
         scale = 1.0 / n if mean else 1.0  # a tensor for the mean: no host sync
         need = ctx.needs_input_grad[:3]
         losses, *grads = _chunks(h, weight, bias, t, ignore_index, chunk_rows, onednn, scale, need)
         ctx.grads = [g.to(x.dtype) if g is not None else None for g, x in zip(grads, (h, weight, bias))]
+        ctx.lookup = latest_lookup(weight) if need[1] else None  # a tied input embedding's (tied_embedding)
         return losses.sum() * scale if mean else losses.sum()
 
     @staticmethod
@@ -174,4 +178,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # (read without a device sync only on the CPU)
         if not (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0):
             grads = [g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in grads]
+        if grads[1] is not None and hand_over(ctx.lookup, grads[1]):
+            grads[1] = None  # the tied lookup adds its rows into it and returns the sum
         return (*grads, None, None, None, None, None)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.masks import require_bool
+from ..nn.tied_embedding import embed
 from ..nn.tokens import MODALITY_IDS, Tokens
 from ..progress import shows
 
@@ -293,7 +294,7 @@ class TextEmbedding(nn.Module):
         ``TypeError`` for a ``valid`` that is not bool (True = real token)."""
         if valid is not None:
             ids = ids.masked_fill(~require_bool(valid, "valid"), 0)
-        x = self.embed(ids)  # (B, N, D)
+        x = embed(self.embed, ids)  # (B, N, D); the gradient joins a tied LM head's (nn.tied_embedding)
         tokens = Tokens.from_embeddings(
             x, MODALITY_IDS["text"], valid=valid, positions=positions, n_pos_axes=self.n_pos_axes
         )
