@@ -66,30 +66,36 @@ def test_the_tied_weight_gradient_equals_autograds_and_skips_the_zeros():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
-def test_micro_batches_summed_in_one_backward_and_two_heads_on_one_lookup():
+def _two_batches(emb, mix, a, b, fused):
+    (_loss(emb, mix, a, fused) + 0.5 * _loss(emb, mix, b, fused)).backward()
+
+
+def _two_heads(emb, mix, a, fused):
+    """One lookup read by two losses: the first head's gradient is handed over, the second's stays autograd's."""
+    h = torch.tanh(mix(embed(emb, a) if fused else F.embedding(a, emb.weight)))
+    if fused:
+        losses = [linear_cross_entropy(h[:, :-1], emb.weight, a[:, 1:]) for _ in range(2)]
+    else:
+        logits = F.linear(h[:, :-1], emb.weight).flatten(0, 1)
+        losses = [F.cross_entropy(logits, a[:, 1:].flatten()) for _ in range(2)]
+    (losses[0] + 3 * losses[1]).backward()
+
+
+@pytest.mark.parametrize("case", ["two micro-batches in one backward", "two heads on one lookup"])
+def test_several_heads_and_lookups_of_one_weight_in_one_backward(case):
     emb, mix = _model()
     a, b = _ids(seed=1), _ids(seed=2)
-    for fused in (True, False):
 
-        def two_batches():
-            (_loss(emb, mix, a, fused) + 0.5 * _loss(emb, mix, b, fused)).backward()
+    def step(fused):
+        if case == "two heads on one lookup":
+            return lambda: _two_heads(emb, mix, a, fused)
+        return lambda: _two_batches(emb, mix, a, b, fused)
 
-        def two_heads():  # one lookup read by two losses: the second head's gradient stays autograd's
-            h = torch.tanh(mix(embed(emb, a) if fused else F.embedding(a, emb.weight)))
-            if fused:
-                losses = [linear_cross_entropy(h[:, :-1], emb.weight, a[:, 1:]) for _ in range(2)]
-            else:
-                logits = F.linear(h[:, :-1], emb.weight).flatten(0, 1)
-                losses = [F.cross_entropy(logits, a[:, 1:].flatten()) for _ in range(2)]
-            (losses[0] + 3 * losses[1]).backward()
-
-        if fused:
-            got = [_grads(emb, mix, two_batches)[0], _grads(emb, mix, two_heads)[0]]
-        else:
-            want = [_grads(emb, mix, two_batches)[0], _grads(emb, mix, two_heads)[0]]
-    for g, w in zip(got, want):
-        for x, y in zip(g, w):
-            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-14)
+    want, _ = _grads(emb, mix, step(False))
+    got, dense = _grads(emb, mix, step(True))
+    assert dense == 0  # every lookup took a head's gradient
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-14)
 
 
 def test_a_backward_that_skips_the_lookup_keeps_the_heads_gradient():
