@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from ..nn.kv_cache import KVCache
 from ..tokenizers.text import TextEmbedding
 from .generate import sample_next
+from .heads import token_cross_entropy
 from .model import MultimodalModel
 
 IGNORE = -100
@@ -311,6 +312,16 @@ class ChameleonLM:
     def logits(self, model: MultimodalModel, ids: Tensor, valid: Tensor) -> Tensor:
         """Teacher-forced logits ``(B, N, V)``: position ``t`` predicts id ``t + 1``."""
         return model(ids, self.tokenizer, self.head, valid=valid)
+
+    def cross_entropy(
+        self, model: MultimodalModel, ids: Tensor, valid: Tensor, targets: Tensor, reduction: str = "mean"
+    ) -> Tensor:
+        """The teacher-forced cross-entropy of ``logits`` against ``targets (B, N - 1)`` (``-100`` = not
+        counted; ``reduction`` as ``F.cross_entropy``'s, ``"none"`` → ``(B, N - 1)`` float32), without
+        the ``(B, N, V)`` logits over the joint vocabulary for an ``LMHead``
+        (``heads.token_cross_entropy``)."""
+        hidden, tokens = model.encode(self.tokenizer, ids, valid=valid)
+        return token_cross_entropy(model.heads[self.head], hidden, tokens, targets, IGNORE, reduction)
 
     def _prefill(
         self, model: MultimodalModel, ids: Tensor, valid: Tensor, new: int

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..nn.kv_cache import KVCache
 from ..nn.tokens import ConditionedTokens, Tokens
 from .decoding import beam_search, greedy, text_tokens
+from .heads import token_cross_entropy
 from .model import MultimodalModel
 
 
@@ -75,6 +76,27 @@ class EncoderDecoder:
         bool, True = real token) given the encoder output ``context``."""
         text = self._text(model, ids, valid)
         return model.heads[self.lm_head](model.backbone(text, context=context), text)
+
+    def cross_entropy(
+        self,
+        model: MultimodalModel,
+        inputs: Tensor,
+        ids: Tensor,
+        valid: Tensor,
+        targets: Tensor,
+        reduction: str = "mean",
+        source_valid: Tensor | None = None,
+    ) -> Tensor:
+        """The teacher-forced cross-entropy of ``logits`` against ``targets (B, L - 1)`` (``-100`` = not
+        counted; ``reduction`` as ``F.cross_entropy``'s, ``"none"`` → ``(B, L - 1)``), without the
+        ``(B, L, V)`` logits for an ``LMHead`` (``heads.token_cross_entropy``; Whisper's 51,865-token
+        vocabulary: 0.2 MB per target position). The interface ``PrefixLM.cross_entropy`` has. Raises
+        ``ValueError`` as ``logits``."""
+        self.check(model)
+        context = self.encode(model, inputs, source_valid)
+        text = self._text(model, ids, valid)
+        hidden = model.backbone(text, context=context)
+        return token_cross_entropy(model.heads[self.lm_head], hidden, text, targets, -100, reduction)
 
     def logits(
         self,

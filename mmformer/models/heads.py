@@ -173,6 +173,31 @@ class LMHead(nn.Module):
         return logits_cross_entropy(self.head(hidden), targets, ignore_index, reduction)
 
 
+def token_cross_entropy(
+    head: nn.Module,
+    hidden: Tensor,
+    tokens: Tokens,
+    targets: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """The cross-entropy of ``head``'s logits at the first ``M`` positions of ``hidden (B, N, D)``
+    against ``targets (B, M)`` long, ``M ≤ N`` (a next-token loss: ``M = N - 1``, the last position
+    predicting nothing; ``ignore_index`` where a position counts for nothing). ``reduction`` as
+    ``F.cross_entropy``'s: ``"mean"`` over the counted positions, ``"sum"``, or ``"none"`` → ``(B, M)``
+    float32. An ``LMHead`` computes it without the ``(B, M, V)`` logits (``LMHead.cross_entropy``), any
+    other head from its logits ``head(hidden, tokens)``. Raises ``ValueError`` when ``targets`` is longer
+    than ``hidden`` or the reduction is unknown."""
+    M = targets.shape[1]
+    if targets.dim() != 2 or targets.shape[0] != hidden.shape[0] or M > hidden.shape[1]:
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must be (B, M) with M <= N for hidden {tuple(hidden.shape)}"
+        )
+    if isinstance(head, LMHead):  # position-wise: the positions without a target are never projected
+        return head.cross_entropy(hidden[:, :M], targets, ignore_index, reduction)
+    return logits_cross_entropy(head(hidden, tokens)[:, :M], targets, ignore_index, reduction)
+
+
 class MLMHead(nn.Module):
     """BERT's masked-LM head (``BertLMPredictionHead``, Devlin et al. 2019): ``dense (D → D)``, GELU,
     LayerNorm, then a decoder over the vocabulary with its own bias, the decoder weight tied to the token

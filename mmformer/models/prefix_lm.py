@@ -27,6 +27,7 @@ from torch import Tensor
 from ..nn.kv_cache import KVCache
 from ..nn.tokens import ConditionedTokens, Tokens, cat_tokens
 from .decoding import beam_search, greedy, text_tokens
+from .heads import token_cross_entropy
 from .model import MultimodalModel
 
 
@@ -107,11 +108,40 @@ class PrefixLM:
     ) -> Tensor:
         """Teacher-forced next-token logits ``(B, L, V)`` at the text positions: position ``t`` predicts
         text token ``t + 1``. ``ids (B, L)`` long, ``valid (B, L)`` bool (True = real token)."""
+        hidden, text = self.text_hidden(model, inputs, ids, valid, prefix_valid)
+        return model.heads[self.caption_head](hidden, text)
+
+    def text_hidden(
+        self,
+        model: MultimodalModel,
+        inputs: Tensor,
+        ids: Tensor,
+        valid: Tensor,
+        prefix_valid: Tensor | None = None,
+    ) -> tuple[Tensor, Tokens]:
+        """The backbone's output ``(B, L, D)`` at the text positions of ``[prefix | text]``, and the text
+        Tokens (what ``logits`` projects)."""
         prefix = self.prefix(model, inputs, prefix_valid)
         text = self._text(model, ids, valid)
         seq, span = self._join(model, prefix, text)
-        hidden = model.backbone(seq, span=span)
-        return model.heads[self.caption_head](hidden[:, prefix.x.shape[1] :], text)
+        return model.backbone(seq, span=span)[:, prefix.x.shape[1] :], text
+
+    def cross_entropy(
+        self,
+        model: MultimodalModel,
+        inputs: Tensor,
+        ids: Tensor,
+        valid: Tensor,
+        targets: Tensor,
+        reduction: str = "mean",
+        prefix_valid: Tensor | None = None,
+    ) -> Tensor:
+        """The teacher-forced cross-entropy of ``logits`` against ``targets (B, L - 1)`` (``-100`` =
+        not counted; ``reduction`` as ``F.cross_entropy``'s, ``"none"`` → ``(B, L - 1)``), without the
+        ``(B, L, V)`` logits for an ``LMHead`` (``heads.token_cross_entropy``)."""
+        hidden, text = self.text_hidden(model, inputs, ids, valid, prefix_valid)
+        head = model.heads[self.caption_head]
+        return token_cross_entropy(head, hidden, text, targets, -100, reduction)
 
     # ------------------------------------------------------------------ decoding
     def _step(self, model: MultimodalModel, cache: KVCache, ids: Tensor, t: int) -> Tensor:

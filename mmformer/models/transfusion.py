@@ -37,6 +37,7 @@ from torch import Tensor
 from ..nn.kv_cache import KVCache
 from ..nn.tokens import MODALITY_IDS, Tokens
 from .diffusion import GaussianDiffusion, RectifiedFlow, ddim_sample, ddpm_sample
+from .heads import token_cross_entropy
 from .model import MultimodalModel
 
 IGNORE = -100  # a position with no next-token target (``F.cross_entropy``'s ignore_index)
@@ -243,9 +244,32 @@ class Transfusion:
         Returns ``(hidden (B, N, D), text logits (B, N, V), image predictions (M, C_out, H, W) or None)``;
         the logits at position ``i`` predict the text token ``i + 1`` (``layout.targets``).
         """
+        hidden, seq, pred = self.run(model, layout, x_t, t, cache)
+        return hidden, model.heads[self.lm_head](hidden, seq), pred
+
+    def losses(
+        self, model: MultimodalModel, layout: Layout, x_t: Tensor, t: Tensor, reduction: str = "mean"
+    ) -> tuple[Tensor, Tensor]:
+        """Run a layout (no cache): the text's next-token cross-entropy against ``layout.targets``
+        (``reduction`` as ``F.cross_entropy``'s over the counted targets; ``"none"`` → ``(B, N)`` float32,
+        0 where ignored) without the ``(B, N, V)`` logits for an ``LMHead`` (``heads.token_cross_entropy``),
+        and the image predictions ``(M, C_out, H, W)``."""
+        hidden, seq, pred = self.run(model, layout, x_t, t)
+        head = model.heads[self.lm_head]
+        return token_cross_entropy(head, hidden, seq, layout.targets, IGNORE, reduction), pred
+
+    def run(
+        self,
+        model: MultimodalModel,
+        layout: Layout,
+        x_t: Tensor | None,
+        t: Tensor | None,
+        cache: KVCache | None = None,
+    ) -> tuple[Tensor, Tokens, Tensor | None]:
+        """``forward`` without the text head: ``(hidden (B, N, D), the embedded sequence, image
+        predictions (M, C_out, H, W) or None)``."""
         seq, images = self.embed(model, layout, x_t, t)
         hidden = model.backbone(seq, cache=cache, span=layout.span)
-        logits = model.heads[self.lm_head](hidden, seq)
         pred = None
         if images is not None:
             img, cond = images
@@ -253,7 +277,7 @@ class Transfusion:
             flat = hidden.new_zeros(M * P, D)
             flat[layout.slot[layout.is_image]] = hidden[layout.is_image]
             pred = model.heads[self.image_head](flat.view(M, P, D), img, cond).float()
-        return hidden, logits, pred
+        return hidden, seq, pred
 
     # ------------------------------------------------------------------ generation
     def _prefill(self, model: MultimodalModel, prompts: list[Document], images: Tensor | None) -> KVCache:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, SumMetric
 
@@ -130,10 +129,8 @@ class ChameleonTask(TaskBase):
 
     def _token_losses(self, model: MultimodalModel, seq) -> tuple[Tensor, Tensor]:
         """Per-target cross-entropy ``(B, N - 1)`` float and the targets ``(B, N - 1)`` (``IGNORE`` = padding)."""
-        logits = self.lm.logits(model, seq.ids, seq.valid)[:, :-1].float()  # (B, N-1, V)
         targets = next_token_targets(seq.ids, seq.valid)
-        losses = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
-        return losses, targets
+        return self.lm.cross_entropy(model, seq.ids, seq.valid, targets, "none"), targets
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
         B, device = self.batch_size(batch), batch["caption"].device
@@ -141,9 +138,8 @@ class ChameleonTask(TaskBase):
         drop = (torch.rand(B, device=device) < self.caption_dropout) & ~image_first
         seq = self._sequences(model, batch, image_first, drop)
         self._count_truncated(seq)
-        losses, targets = self._token_losses(model, seq)
-        counted = targets != IGNORE
-        return losses[counted].mean()
+        # the token-weighted mean over every counted target, the logits never held (an LMHead)
+        return self.lm.cross_entropy(model, seq.ids, seq.valid, next_token_targets(seq.ids, seq.valid))
 
     def _count_truncated(self, seq) -> None:
         if not seq.truncated_captions:

@@ -15,9 +15,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from ..models.generate import generate
-from ..models.heads import LMHead
+from ..models.heads import token_cross_entropy
 from ..models.model import MultimodalModel
-from ..nn.linear_cross_entropy import logits_cross_entropy
 from ..tokenizers.text import TextTokenizer
 from ..training.media import Media, MediaContext, Table
 from .base import TaskBase
@@ -68,11 +67,9 @@ class CausalLMTask(TaskBase):
         hidden, tokens = model.encode(
             self.tokenizer, batch["text"], valid=batch["text_valid"], document=batch.get("text_document")
         )
-        head = model.heads[self.head]
-        targets = next_token_targets(batch)
-        if isinstance(head, LMHead):  # position-wise: the last position, which predicts nothing, is dropped
-            return head.cross_entropy(hidden[:, :-1], targets, IGNORE, reduction)
-        return logits_cross_entropy(head(hidden, tokens)[:, :-1], targets, IGNORE, reduction)
+        return token_cross_entropy(
+            model.heads[self.head], hidden, tokens, next_token_targets(batch), IGNORE, reduction
+        )
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
         return self.token_losses(model, batch, "mean")

@@ -22,7 +22,6 @@ import re
 import unicodedata
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.text import CharErrorRate, WordErrorRate
@@ -101,20 +100,23 @@ class PrefixLMTask(TaskBase):
         targets = caption_targets(batch["caption"], batch["caption_valid"], self.prompt_len)
         return int((targets != IGNORE).sum())
 
-    def _losses(self, model: MultimodalModel, batch: dict) -> tuple[Tensor, Tensor]:
-        logits = self.parts.logits(
+    def _losses(self, model: MultimodalModel, batch: dict, reduction: str) -> tuple[Tensor, Tensor]:
+        """The caption's teacher-forced cross-entropy (``reduction`` as ``F.cross_entropy``'s; ``"none"``
+        → ``(B, L - 1)``) and its targets ``(B, L - 1)``; an ``LMHead`` never holds the logits."""
+        targets = caption_targets(batch["caption"], batch["caption_valid"], self.prompt_len)
+        losses = self.parts.cross_entropy(
             model,
             batch[self.input_key],
             batch["caption"],
             batch["caption_valid"],
+            targets,
+            reduction,
             batch.get(f"{self.input_key}_valid"),
-        )[:, :-1]
-        targets = caption_targets(batch["caption"], batch["caption_valid"], self.prompt_len)
-        return logits.float().flatten(0, 1), targets.flatten()
+        )
+        return losses, targets
 
     def training_loss(self, model: MultimodalModel, batch: dict) -> Tensor:
-        logits, targets = self._losses(model, batch)
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE)
+        return self._losses(model, batch, "mean")[0]
 
     def transcribe(
         self, model: MultimodalModel, inputs: Tensor, prefix_valid: Tensor | None = None
@@ -138,8 +140,7 @@ class PrefixLMTask(TaskBase):
         return [self.text.decode(x, skip_special=True) for x in ids]
 
     def validation_update(self, model: MultimodalModel, batch: dict) -> None:
-        logits, targets = self._losses(model, batch)
-        losses = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
+        losses, targets = self._losses(model, batch, "none")
         counted = targets != IGNORE
         self.val_metrics["loss"].update(losses[counted])
         self.val_metrics["ppl"].update(losses[counted])
@@ -151,7 +152,7 @@ class PrefixLMTask(TaskBase):
         self.val_metrics["wer"].update(hyps, refs)
         self.val_metrics["cer"].update(hyps, refs)
         self.val_metrics["exact_match"].update(
-            torch.tensor([float(h == r) for h, r in zip(hyps, refs)], device=logits.device)
+            torch.tensor([float(h == r) for h, r in zip(hyps, refs)], device=losses.device)
         )
         if not self.examples:
             self.examples = list(zip(refs, hyps))[:8]

@@ -32,7 +32,6 @@ import warnings
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, SumMetric
 
@@ -153,8 +152,10 @@ class TransfusionTask(TaskBase):
         noise: Tensor,
         t: Tensor,
         packed: bool,
+        reduction: str = "mean",
     ) -> tuple[Tensor, Tensor, Tensor, int]:
-        """Lay the pairs out, run them; returns ``(logits (B', N, V), targets (B', N), per-image loss (M,),
+        """Lay the pairs out, run them; returns ``(the text's cross-entropy (reduction as
+        F.cross_entropy's; "none": (B', N), 0 where ignored), targets (B', N), per-image loss (M,),
         captions cut)``."""
         P, p = self.parts.patches(model), self.parts
         docs, cut = [], 0
@@ -165,8 +166,8 @@ class TransfusionTask(TaskBase):
         rows = pack(docs, P, p.context) if packed else [[d] for d in docs]
         layout = build_layout(rows, P, p.pad_id).to(x0.device)
         x_t, t_model = self._noisy(x0, noise, t)
-        _, logits, pred = p.forward(model, layout, x_t, t_model)
-        return logits.float(), layout.targets, self._image_loss(pred, x0, noise, t), cut
+        text, pred = p.losses(model, layout, x_t, t_model, reduction)
+        return text, layout.targets, self._image_loss(pred, x0, noise, t), cut
 
     def _drop_captions(self, captions: list[list[int]], drop: list[bool]) -> list[list[int]]:
         return [[c[0], c[-1]] if d else c for c, d in zip(captions, drop)]
@@ -180,7 +181,7 @@ class TransfusionTask(TaskBase):
         captions = self._drop_captions(captions, drop)
         cap = torch.tensor([1.0 if f else self.image_first_max_t for f in first], device=x0.device)
         noise, t = self._draw(x0, cap, None)
-        logits, targets, image_loss, cut = self._run(model, captions, x0, first, noise, t, self.pack)
+        lm, _, image_loss, cut = self._run(model, captions, x0, first, noise, t, self.pack)
         if cut:
             self.captions_cut += cut
             warnings.warn(
@@ -188,19 +189,18 @@ class TransfusionTask(TaskBase):
                 f"their image ({self.captions_cut} so far)",
                 stacklevel=2,
             )
-        lm = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         return lm + self.image_weight * image_loss.mean()
 
     def on_validation_epoch_start(self, model: MultimodalModel) -> None:
         self._val_generator = None  # every validation pass draws the same noise
         self.examples: list[dict] = []
 
-    def _caption_token_losses(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Cross-entropy of every target that is a caption token (markers, bos, eos excluded)."""
+    def _caption_token_losses(self, losses: Tensor, targets: Tensor) -> Tensor:
+        """The per-target cross-entropies ``losses`` of every target that is a caption token (markers,
+        bos, eos excluded)."""
         p = self.parts
         special = torch.tensor([p.boi_id, p.eoi_id, p.bos_id, p.eos_id, IGNORE], device=targets.device)
-        keep = ~torch.isin(targets, special)
-        return F.cross_entropy(logits[keep], targets[keep], reduction="none")
+        return losses[~torch.isin(targets, special)]
 
     def validation_update(self, model: MultimodalModel, batch: dict) -> None:
         x0 = to_unit_range(batch["image"])
@@ -210,20 +210,20 @@ class TransfusionTask(TaskBase):
         B = len(captions)
         noise, t = self._draw(x0, torch.ones(B, device=x0.device), self._val_generator)
         m = self.val_metrics
-        logits, targets, image_loss, cut = self._run(model, captions, x0, [True] * B, noise, t, False)
-        lm = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        losses, targets, image_loss, cut = self._run(model, captions, x0, [True] * B, noise, t, False, "none")
+        lm = losses[targets != IGNORE].mean()
         m["loss"].update(lm + self.image_weight * image_loss.mean(), weight=B)
         m["image_loss"].update(image_loss)
-        m["text_loss_uncond"].update(self._caption_token_losses(logits, targets))
+        m["text_loss_uncond"].update(self._caption_token_losses(losses, targets))
         m["captions_cut"].update(cut)
         dropped = self._drop_captions(captions, [True] * B)
         _, _, uncond, _ = self._run(model, dropped, x0, [True] * B, noise, t, False)
         m["image_loss_uncond"].update(uncond)
         clean = torch.zeros_like(t)  # image first, clean: the caption given the image
-        logits, targets, _, _ = self._run(
-            model, captions, x0, [False] * B, torch.zeros_like(x0), clean, False
+        losses, targets, _, _ = self._run(
+            model, captions, x0, [False] * B, torch.zeros_like(x0), clean, False, "none"
         )
-        m["text_loss"].update(self._caption_token_losses(logits, targets))
+        m["text_loss"].update(self._caption_token_losses(losses, targets))
         if not self.examples:  # the first held-out pairs, for the media
             self.examples = [
                 {

@@ -30,6 +30,7 @@ from mmformer.models.chameleon import (
 from mmformer.models.heads import LMHead
 from mmformer.tasks.chameleon import ChameleonTask
 from mmformer.tokenizers.vq import VQVAE
+from tests.tasks.lm_loss_parity import assert_same_loss_and_gradients, spy_chunked_loss
 
 V_T, K = 20, 16  # text ids, codes
 BOS, EOS, PAD = 0, 1, 2
@@ -123,11 +124,14 @@ def test_sequences_in_both_orders_with_the_caption_dropped_and_padding():
 
 
 # ---------------------------------------------------------------------------------------------- the loss
-def test_loss_covers_text_and_image_tokens_and_ignores_padding():
+def test_loss_covers_text_and_image_tokens_and_ignores_padding(monkeypatch):
     model, lm = tiny_model()
+    model.heads["lm"].chunk_rows = 7  # the loss a few rows at a time, the last chunk short
     t = task(model, image_first_prob=0.0, caption_dropout=0.0)  # every row caption → image
     b = batch([[5, 6, 7], [8], [9, 10]])
+    calls = spy_chunked_loss(monkeypatch)
     loss = t.training_loss(model, b)
+    assert calls  # the chunked path ran
     # reference: every row alone, unpadded, every next token counted (token-weighted mean)
     emb, total, n = model.tokenizers["tok"], 0.0, 0
     codes = emb.encode_images(b["image"])
@@ -138,7 +142,8 @@ def test_loss_covers_text_and_image_tokens_and_ignores_padding():
         logits = model(row, "tok", "lm")[0, :-1]
         total = total + F.cross_entropy(logits, row[0, 1:], reduction="sum")
         n += row.shape[1] - 1
-    torch.testing.assert_close(loss, total / n)
+    # the same value and gradients (the tied embedding's included) as the logits' cross-entropy
+    assert_same_loss_and_gradients(model, loss, total / n)
     assert t.loss_units(b) == n  # what the accumulation windows weight the batch by
     # the loss reaches the caption, the markers and the codes: each part's logits get a gradient
     seq = build_sequences(

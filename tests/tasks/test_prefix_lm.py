@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mmformer.models import AttentionConfig, MultimodalModel, PositionConfig, build_backbone
 from mmformer.models.heads import LMHead
@@ -16,6 +17,7 @@ from mmformer.tasks.prefix_lm import PrefixLMTask, caption_targets, normalize_te
 from mmformer.tokenizers import ViTPatchTokenizer
 from mmformer.tokenizers.audio import ASTPatchTokenizer, LogMel
 from mmformer.tokenizers.text import TextEmbedding
+from tests.tasks.lm_loss_parity import assert_same_loss_and_gradients, spy_chunked_loss
 
 V, BOS, EOS = 5, 3, 2
 NAMES = PrefixLM("audio", "text", "lm")
@@ -96,6 +98,28 @@ def test_loss_counts_caption_tokens_only():
     ids = torch.tensor([[BOS, 0, 1, EOS, 4], [BOS, 1, EOS, 4, 4]])
     valid = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
     assert caption_targets(ids, valid).tolist() == [[0, 1, EOS, -100], [1, EOS, -100, -100]]
+
+
+@pytest.mark.parametrize("prefix", ["audio", "image"])
+def test_training_loss_never_holds_the_logits_yet_equals_them(prefix, monkeypatch):
+    """The caption's loss is computed a few rows at a time (``heads.token_cross_entropy``): the loss and
+    every parameter's gradient, the prefix tokenizer's included, as from the full text logits."""
+    model = _model(prefix, positions="rope").train()
+    model.heads["lm"].chunk_rows = 3  # several chunks, the last one short
+    inputs, valid = _waves([400, 640]) if prefix == "audio" else (torch.rand(2, 1, 8, 8), None)
+    caption = torch.tensor([[BOS, 0, 1, EOS], [BOS, 2, EOS, 0]])
+    caption_valid = torch.tensor([[True] * 4, [True, True, True, False]])
+    batch = {prefix: inputs, "caption": caption, "caption_valid": caption_valid}
+    if valid is not None:
+        batch[f"{prefix}_valid"] = valid
+    task = PrefixLMTask(NAMES if prefix == "audio" else PrefixLM("image", "text", "lm"), prefix, _Text(), 4)
+    calls = spy_chunked_loss(monkeypatch)
+    loss = task.training_loss(model, batch)
+    assert calls  # the chunked path ran
+    logits = task.parts.logits(model, inputs, caption, caption_valid, valid)[:, :-1]
+    targets = caption_targets(caption, caption_valid)
+    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert_same_loss_and_gradients(model, loss, want)
 
 
 @pytest.mark.parametrize("positions", ["none", "rope"])

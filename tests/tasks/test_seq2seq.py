@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from mmformer.models import AttentionConfig, BlockConfig, MultimodalModel, build_backbone
 from mmformer.models.encoder_decoder import EncoderDecoder
 from mmformer.models.heads import LMHead
-from mmformer.tasks.prefix_lm import normalize_text
+from mmformer.tasks.prefix_lm import caption_targets, normalize_text
 from mmformer.tasks.seq2seq import Seq2SeqTask
 from mmformer.tokenizers.audio import ASTPatchTokenizer, LogMel
 from mmformer.tokenizers.text import TextEmbedding
+from tests.tasks.lm_loss_parity import assert_same_loss_and_gradients, spy_chunked_loss
 
 V, BOS, EOS = 6, 4, 5
 PARTS = EncoderDecoder("audio", "text", "lm")
@@ -64,6 +65,22 @@ def test_training_loss_is_teacher_forced_cross_entropy_on_the_transcript():
     want = torch.stack([F.cross_entropy(logits[b, t], torch.tensor(y)) for b, t, y in targets]).mean()
     assert task.training_loss(model, batch).item() == pytest.approx(want.item(), rel=1e-5)
     assert task.loss_units(batch) == 5
+
+
+def test_training_loss_never_holds_the_logits_yet_equals_them(monkeypatch):
+    """The decoder's LM head computes the loss a few rows at a time (``heads.token_cross_entropy``):
+    the loss and every parameter's gradient, the encoder's included, as from the full logits."""
+    model, batch = _model().train(), _batch()
+    model.heads["lm"].chunk_rows = 3  # several chunks, the last one short
+    task = Seq2SeqTask(PARTS, "audio", _Text(), max_new_tokens=4)
+    calls = spy_chunked_loss(monkeypatch)
+    loss = task.training_loss(model, batch)
+    assert calls  # the chunked path ran
+    args = batch["audio"], batch["caption"], batch["caption_valid"], batch["audio_valid"]
+    logits = PARTS.logits(model, *args)[:, :-1]
+    targets = caption_targets(batch["caption"], batch["caption_valid"], task.prompt_len)
+    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert_same_loss_and_gradients(model, loss, want)
 
 
 def test_validation_decodes_through_the_cache_and_scores_the_text():

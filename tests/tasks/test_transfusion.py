@@ -19,6 +19,7 @@ from mmformer.nn.masks import MaskSpec
 from mmformer.tasks.transfusion import TransfusionTask
 from mmformer.tokenizers.diffusion import DiTTokenizer
 from mmformer.tokenizers.text import TextEmbedding
+from tests.tasks.lm_loss_parity import assert_same_loss_and_gradients, spy_chunked_loss
 
 V, D, P = 24, 32, 4  # vocabulary, width, patches per 8×8 image in 4×4 patches
 BOS, EOS, PAD, BOI, EOI = 1, 2, 0, 3, 4
@@ -222,10 +223,11 @@ def _task(context: int = 32, **kw) -> TransfusionTask:
     return TransfusionTask(parts(context), RectifiedFlow(), Text(), **kw)
 
 
-def test_training_loss_is_lm_plus_lambda_image():
+def test_training_loss_is_lm_plus_lambda_image(monkeypatch):
     """With every pair caption first and no dropout, the loss is the LM cross-entropy over the text
     targets plus λ times the mean per-image flow loss, recomputed here from the model's outputs."""
     model = tiny_model()
+    model.heads["lm"].chunk_rows = 5  # the text loss a few rows at a time, the last chunk short
     task = _task(caption_first=1.0 - 1e-9, caption_dropout=0.0, image_weight=5.0)
     batch = {
         "image": torch.randint(0, 255, (2, 1, 8, 8), dtype=torch.uint8),
@@ -233,7 +235,9 @@ def test_training_loss_is_lm_plus_lambda_image():
     }
     batch["caption_valid"] = batch["caption"] != PAD
     torch.manual_seed(3)
+    calls = spy_chunked_loss(monkeypatch)
     loss = task.training_loss(model, batch)
+    assert calls  # the chunked path ran
     torch.manual_seed(3)
     torch.rand(2), torch.rand(2)  # the order and dropout draws
     x0 = batch["image"].float() / 127.5 - 1
@@ -249,7 +253,7 @@ def test_training_loss_is_lm_plus_lambda_image():
     )
     lm = F.cross_entropy(logits.flatten(0, 1), layout.targets.flatten(), ignore_index=IGNORE)
     image = ((pred - (noise - x0)) ** 2).flatten(1).mean(1).mean()
-    torch.testing.assert_close(loss, lm + 5.0 * image)
+    assert_same_loss_and_gradients(model, loss, lm + 5.0 * image)
 
 
 def test_image_first_noise_is_capped():
