@@ -3,6 +3,8 @@ greedy recomputation; training and `mmformer generate` through the CLI on a tiny
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from mmformer.cli import main
 from mmformer.models import AttentionConfig, PositionConfig, build_backbone
@@ -214,3 +216,37 @@ def test_the_training_loss_never_holds_the_logits_yet_equals_them(variant):
     with torch.no_grad():
         task.validation_update(model, batch)
     torch.testing.assert_close(task.val_metrics["ppl"].compute(), want.detach().exp(), rtol=1e-5, atol=0)
+
+
+class _PlainHead(nn.Module):
+    """A head that is not an ``LMHead`` (its logits are computed whole): the same linear."""
+
+    def __init__(self, lm: LMHead):
+        super().__init__()
+        self.head = lm.head
+
+    def forward(self, hidden, tokens):
+        return self.head(hidden)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_token_cross_entropy_scores_the_first_m_positions_either_way(reduction):
+    """``heads.token_cross_entropy`` scores the first ``M`` positions of ``hidden``: through the chunked
+    loss for an ``LMHead``, from the logits for any other head — the same numbers; bad shapes named."""
+    from mmformer.models.heads import token_cross_entropy
+
+    torch.manual_seed(0)
+    lm = LMHead(16, 50)
+    lm.chunk_rows = 4
+    hidden, targets = torch.randn(3, 7, 16), torch.randint(0, 50, (3, 5))
+    targets[1, 3:] = IGNORE
+    got = token_cross_entropy(lm, hidden, None, targets, IGNORE, reduction)
+    want = token_cross_entropy(_PlainHead(lm), hidden, None, targets, IGNORE, reduction)
+    ref = F.cross_entropy(
+        lm.head(hidden[:, :5]).transpose(1, 2), targets, ignore_index=IGNORE, reduction=reduction
+    )
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(want, ref)
+    for bad in (torch.zeros(3, 8, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long), targets.flatten()):
+        with pytest.raises(ValueError, match="must be \\(B, M\\) with M <= N"):
+            token_cross_entropy(lm, hidden, None, bad)
