@@ -17,8 +17,13 @@ step"):
   the system temp folder) and a later process loads it: ``mmformer generate --compile`` took 54 s with an
   empty cache and 19 s with a warm one (13 s eager). Per token 1.62× transformers' eager ``generate``
   at batch 1 (the head, after the blocks, eagerly on a column-major copy: ``nn.packed``), only 1.16× at
-  batch 4 (the blocks' products are MKL's on plain weights; eager decoding with oneDNN-packed weights
-  is faster there, 1.4–1.5×).
+  batch 4 on that CPU, whose four-row products are 1.7–2.9× faster on oneDNN-packed weights than MKL's
+  on plain ones. So where oneDNN is the faster library (``nn.onednn.faster_here``), several rows'
+  products run in the graph as ``mmformer::packed_linear`` (``nn.packed``): one opaque operator that
+  finds the packed copy of the weight it is given at run time (never a stale one), so the weights stay
+  graph inputs and the graph stays cacheable. On a CPU where oneDNN is slower the blocks keep MKL's
+  products: 1.30× / 1.47× transformers' eager ``generate`` at batch 1 / 4 there, 1.28× / 1.42× with
+  the packing forced.
 - ``frozen``: the whole forward compiled with inductor's ``freezing``, which makes the weights constants
   and prepacks them for oneDNN's matrix kernels — 1.49× / 1.71× transformers' eager ``generate`` at
   batch 1 / 4 — but prepacked (mkldnn) constants cannot be pickled into inductor's cache and AOTAutograd

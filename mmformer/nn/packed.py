@@ -18,9 +18,12 @@ column-major copy of the weights still row-major (the head, which shares the emb
 for one row where the weight is row-major — kept in a weak table, not on the module, so the model
 stays copyable and picklable; re-packed only when the weight changed. Inside the context its forward
 uses the copy for inputs of one position per row (``(rows, 1, in)``) without gradients. Anything
-else — more positions (a prefill), gradients, a graph being compiled, another dtype, or a weight
-modified since it was packed (its version counter, storage or strides differ) — runs ``F.linear`` as
-before, so the result never uses stale weights. The same values up to the kernels'
+else — more positions (a prefill), gradients, another dtype, or a weight modified since it was packed
+(its version counter, storage or strides differ) — runs ``F.linear`` as before, so the result never
+uses stale weights. Traced into a compiled graph (``models.compiled_decoding``'s cached blocks), the
+product is one opaque operator, ``mmformer::packed_linear``, that makes the same choice when the graph
+runs: the graph holds the weights (as inputs, so inductor's on-disk cache keeps it), and the packed
+copies of the open contexts are found by the weight's key. The same values up to the kernels'
 rounding (greedy ids equal: ``tests/nn/test_packed.py``). Costs one copy of the packed weights in memory
 (540 MB for SmolLM2-135M; the head's 113 MB at one row) and ~0.5 s to pack them, once per weights and
 row count.
@@ -45,6 +48,9 @@ _packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, str, Tensor]] = weakr
 # module → its own instance forward inside a ``packed_linears`` context (``nn.onednn``'s), for the
 # inputs the packed weights do not cover and to restore on exit
 _unpacked: weakref.WeakKeyDictionary[nn.Linear, types.MethodType] = weakref.WeakKeyDictionary()
+# the oneDNN-packed weights of the open contexts by their weight's key, for ``packed_linear`` to find at
+# run time inside a compiled graph (which holds the weights, not the modules)
+_active: dict[tuple, Tensor] = {}
 
 
 def _key(w: Tensor) -> tuple:
@@ -87,6 +93,8 @@ def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
                 if own is not None and outermost:
                     _unpacked[m] = own
                 m.forward = types.MethodType(_packed_forward, m)
+                if _packed[m][1] == "onednn":
+                    _active[_packed[m][0]] = _packed[m][2]
                 linears.append((m, own, outermost))
     try:
         yield len(linears)
@@ -94,6 +102,9 @@ def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
         for m, own, outermost in linears:  # each back to what it was on entry (a nested context: packed)
             if outermost:
                 _unpacked.pop(m, None)
+                entry = _packed.get(m)
+                if entry is not None:
+                    _active.pop(entry[0], None)
             if own is None:
                 m.__dict__.pop("forward", None)
             else:
@@ -107,12 +118,35 @@ def release(modules: Iterable[nn.Module]) -> None:
             _packed.pop(m, None)
 
 
+@torch.library.custom_op(
+    "mmformer::packed_linear", mutates_args=(), schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
+)
+def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x (rows, in), weight (out, in), bias)`` on the oneDNN-packed copy of ``weight`` that an
+    open ``packed_linears`` context holds for exactly this weight (its version counter, storage and
+    strides), else ``F.linear`` itself: one opaque operator in a compiled graph, so the graph (its
+    weights graph inputs, cacheable on disk) multiplies on packed weights found at run time."""
+    packed = _active.get(_key(weight))
+    if packed is None or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    return _product(x, packed, bias)
+
+
+@packed_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def _packed_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    entry = _packed.get(self)
     w = self.weight
+    if torch.compiler.is_compiling():  # traced into a compiled decoding step: the packed weight at run time
+        if not torch.is_grad_enabled() and x.dim() >= 2 and x.shape[-2] == 1:
+            y = packed_linear(x.reshape(-1, x.shape[-1]), w, self.bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return F.linear(x, w, self.bias)
+    entry = _packed.get(self)
     if (
-        torch.compiler.is_compiling()
-        or torch.is_grad_enabled()
+        torch.is_grad_enabled()
         or entry is None
         or x.dim() < 2
         or x.shape[-2] != 1

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mmformer.models import compiled_decoding
+from mmformer.models import generate as generate_module
 from mmformer.models.generate import generate
 from tests.nn.test_layout import _model as tiny_llama  # decisive argmaxes: no near-ties to round apart
 
@@ -30,8 +31,13 @@ def _prompts(rows: int = 2, n: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["cached", "frozen"])
-def test_compiled_steps_generate_the_eager_ids_and_follow_weight_changes(mode):
+@pytest.mark.parametrize("mode", ["cached", "cached-packed", "frozen"])
+def test_compiled_steps_generate_the_eager_ids_and_follow_weight_changes(mode, monkeypatch):
+    """``cached-packed``: the cached blocks multiply on oneDNN-packed weights (``nn.packed``), as they do
+    where oneDNN is the faster library; forced here whatever this CPU measures."""
+    if mode == "cached-packed":
+        monkeypatch.setattr(generate_module, "faster_here", lambda: True)
+        mode = "cached"
     model = tiny_llama().eval()
     ids, valid = _prompts()
 
@@ -70,9 +76,12 @@ def test_compiled_steps_generate_the_eager_ids_and_follow_weight_changes(mode):
 
 _LOAD_TWICE = textwrap.dedent(
     """
-    import json, torch
+    import json, os, torch
     from torch._dynamo.utils import counters
+    from mmformer.models import generate as generate_module
     from mmformer.models.generate import generate
+    if os.environ.get("PACKED"):  # the blocks on packed weights, as where oneDNN is the faster library
+        generate_module.faster_here = lambda: True
     from tests.models.test_compiled_decoding import _prompts
     from tests.nn.test_layout import _model as tiny_llama
     torch.set_num_threads(1)
@@ -84,15 +93,19 @@ _LOAD_TWICE = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_a_later_process_loads_the_compiled_step_from_the_disk_cache(tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_later_process_loads_the_compiled_step_from_the_disk_cache(tmp_path, packed):
     """Two processes with the same (empty, private) inductor cache: the first compiles and stores the
     graph, the second finds it — FX graph and AOTAutograd cache hits, nothing compiled — and gives the
-    same ids. (Frozen weights defeated both caches: every process compiled again.)"""
+    same ids. (Frozen weights defeated both caches: every process compiled again.) ``packed``: the
+    graph's products are ``mmformer::packed_linear`` (oneDNN-packed weights found at run time), which
+    the cache keeps too."""
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
+        "PACKED": "1" if packed else "",
     }
 
     def run() -> dict:
@@ -167,26 +180,43 @@ def test_the_step_is_reused_per_model_and_the_hook_lives_for_one_call(monkeypatc
     assert not compiled_decoding._current
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_the_blocks_trace_once_for_every_decoding_step(monkeypatch, rows):
+@pytest.mark.parametrize("rows, packed", [(1, False), (2, False), (2, True)])
+def test_the_blocks_trace_once_for_every_decoding_step(monkeypatch, rows, packed):
     """One frame, one graph, for every decoding step of this call and the next (other prompt capacity,
     other lengths): the data-dependent checks before the blocks stay eager, so nothing breaks the graph
     and no later step retraces. A counting backend instead of inductor: tracing only, seconds. (Prompts
     of 9: with 7, the first step's 8 keys equal the head size and are specialized with it, see
-    ``compiled_decoding``.)"""
-    from torch._dynamo.testing import CompileCounter
+    ``compiled_decoding``.) ``packed``: the blocks' products on oneDNN-packed weights (where oneDNN is
+    the faster library; forced here), each one ``mmformer::packed_linear`` in the graph, every block's
+    linear found packed at run time."""
+    from mmformer.nn import packed as packed_module
 
     compiled_decoding.clear()
-    counter, compile = CompileCounter(), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile(fn, backend=counter, **kwargs))
+    graphs, compile = [], torch.compile
+
+    def backend(gm, example_inputs):  # records the traced graph, runs it eagerly
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile(fn, backend=backend, **kwargs))
+    monkeypatch.setattr(generate_module, "faster_here", lambda: packed)
+    products, real = [], packed_module._product
+    monkeypatch.setattr(packed_module, "_product", lambda *a: products.append(1) or real(*a))
     model = tiny_llama().eval()
     ids, valid = _prompts(rows, 9)
     try:
-        want = generate(model, "text", "lm", ids, valid, 8)
+        want = generate(model, "text", "lm", ids, valid, 8)  # 7 steps after the prefill
         assert generate(model, "text", "lm", ids, valid, 3, compile=True) == [w[:3] for w in want]
-        assert counter.frame_count == 1
+        assert len(graphs) == 1
         assert generate(model, "text", "lm", ids, valid, 8, compile=True) == want  # 7 steps, other lengths
-        assert counter.frame_count == 1
+        assert len(graphs) == 1
+        ops = [n for n in graphs[0].graph.nodes if "packed_linear" in str(n.target)]
+        linears = sum(isinstance(m, torch.nn.Linear) for m in model.backbone.modules())
+        assert len(ops) == (linears if packed else 0)
+        # oneDNN products on packed weights: none at one row (column-major weights instead); at two, every
+        # linear of the 7 eager steps, and of the 2 + 7 compiled steps the head, or every linear if packed
+        per_compiled_step = linears + 1 if packed else 1
+        assert len(products) == (0 if rows == 1 else 7 * (linears + 1) + 9 * per_compiled_step)
     finally:
         compiled_decoding.clear()
 

@@ -69,6 +69,41 @@ def test_a_weight_changed_after_packing_is_never_read_stale():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_a_compiled_graph_finds_the_packed_weight_at_run_time_and_never_a_stale_one(monkeypatch):
+    """Traced into a graph (one frame, no break), a packed linear is one opaque ``mmformer::packed_linear``
+    whose run looks the packed weight up by the weight it is given: oneDNN's product inside the context,
+    ``F.linear`` after an in-place change of the weight or outside the context — the same graph, never
+    the old values."""
+    lin, x = _linear(), torch.randn(3, 1, 24)
+    products, real = [], packed._product
+    monkeypatch.setattr(packed, "_product", lambda *a: products.append(1) or real(*a))
+    graphs = []
+
+    def backend(gm, example_inputs):  # records the traced graph, runs it eagerly
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), packed_linears([lin], 3):
+            step = torch.compile(lambda t: lin(t) * 2, backend=backend, dynamic=True)
+            want = 2 * F.linear(x, lin.weight, lin.bias)
+            torch.testing.assert_close(step(x), want, rtol=1e-5, atol=1e-5)
+            assert products == [1] and len(graphs) == 1
+            assert any("packed_linear" in str(n.target) for n in graphs[0].graph.nodes)
+            lin.weight.add_(1.0)  # in place, while packed: the graph must read the new values
+            want = 2 * F.linear(x, lin.weight, lin.bias)
+            torch.testing.assert_close(step(x), want, rtol=1e-5, atol=1e-5)
+            assert products == [1] and len(graphs) == 1
+        assert not packed._active  # the context's packed weights are forgotten on exit
+        with torch.no_grad():
+            got = packed.packed_linear(x[:, 0], lin.weight, lin.bias)
+        torch.testing.assert_close(got, F.linear(x[:, 0], lin.weight, lin.bias))
+        assert products == [1]
+    finally:
+        torch._dynamo.reset()
+
+
 def test_one_row_reads_a_column_major_copy_of_a_row_major_weight_only():
     lin, col = _linear(), _linear()
     with torch.no_grad():
