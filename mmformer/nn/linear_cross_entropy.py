@@ -159,7 +159,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = counted.sum().to(torch.promote_types(h.dtype, torch.float32))  # the logits' dtype
         scale = 1.0 / n if mean else 1.0  # a tensor for the mean: no host sync
         need = ctx.needs_input_grad[:3]
-        losses, *grads = _chunks(h, weight, bias, t, ignore_index, chunk_rows, onednn, scale, need)
+        # with no row counted the mean is NaN, as F.cross_entropy's, and so are not its gradients: zero,
+        # as F.cross_entropy's (0 · inf would make every gradient NaN)
+        grad_scale = 1.0 / n.clamp_min(1) if mean else 1.0
+        losses, *grads = _chunks(h, weight, bias, t, ignore_index, chunk_rows, onednn, grad_scale, need)
         ctx.grads = [g.to(x.dtype) if g is not None else None for g, x in zip(grads, (h, weight, bias))]
         ctx.lookup = latest_lookup(weight) if need[1] else None  # a tied input embedding's (tied_embedding)
         return losses.sum() * scale if mean else losses.sum()

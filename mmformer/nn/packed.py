@@ -49,8 +49,10 @@ _packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, str, Tensor]] = weakr
 # inputs the packed weights do not cover and to restore on exit
 _unpacked: weakref.WeakKeyDictionary[nn.Linear, types.MethodType] = weakref.WeakKeyDictionary()
 # the oneDNN-packed weights of the open contexts by their weight's key, for ``packed_linear`` to find at
-# run time inside a compiled graph (which holds the weights, not the modules)
-_active: dict[tuple, Tensor] = {}
+# run time inside a compiled graph (which holds the weights, not the modules): key → (the packed weight,
+# the weight itself — kept alive so that no other tensor can take its storage's address while the entry
+# exists —, how many open contexts registered it)
+_active: dict[tuple, tuple[Tensor, Tensor, int]] = {}
 
 
 def _key(w: Tensor) -> tuple:
@@ -75,36 +77,43 @@ def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
         yield 0
         return
     kind = "onednn" if rows >= 2 else "column-major"
-    linears = []
-    with torch.no_grad():
-        for module in modules:
-            for m in _linears(module):
-                if m.weight.dtype != torch.float32:
-                    continue
-                entry = _packed.get(m)
-                if entry is None or entry[0] != _key(m.weight) or entry[1] != kind:
-                    form = _pack(m.weight, rows)
-                    if form is None:
-                        _packed.pop(m, None)
-                        continue
-                    _packed[m] = (_key(m.weight), *form)
-                own = m.__dict__.get("forward")
-                outermost = own is None or getattr(own, "__func__", None) is not _packed_forward
-                if own is not None and outermost:
-                    _unpacked[m] = own
-                m.forward = types.MethodType(_packed_forward, m)
-                if _packed[m][1] == "onednn":
-                    _active[_packed[m][0]] = _packed[m][2]
-                linears.append((m, own, outermost))
+    linears, registered = [], []  # what this context changed and registered, undone exactly on exit
     try:
+        with torch.no_grad():
+            for module in modules:
+                for m in _linears(module):
+                    if m.weight.dtype != torch.float32:
+                        continue
+                    entry = _packed.get(m)
+                    if entry is None or entry[0] != _key(m.weight) or entry[1] != kind:
+                        form = _pack(m.weight, rows)
+                        if form is None:
+                            _packed.pop(m, None)
+                            continue
+                        _packed[m] = entry = (_key(m.weight), *form)
+                    own = m.__dict__.get("forward")
+                    outermost = own is None or getattr(own, "__func__", None) is not _packed_forward
+                    if own is not None and outermost:
+                        _unpacked[m] = own
+                    m.forward = types.MethodType(_packed_forward, m)
+                    linears.append((m, own, outermost))
+                    if entry[1] == "onednn":
+                        key, _, weight = entry
+                        count = _active[key][2] if key in _active else 0
+                        _active[key] = (weight, m.weight, count + 1)
+                        registered.append(key)
         yield len(linears)
     finally:
-        for m, own, outermost in linears:  # each back to what it was on entry (a nested context: packed)
+        for key in registered:
+            weight, kept, count = _active[key]
+            if count > 1:
+                _active[key] = (weight, kept, count - 1)
+            else:
+                del _active[key]
+        # each back to what it was on entry, the last change first (a module met twice, a nested context)
+        for m, own, outermost in reversed(linears):
             if outermost:
                 _unpacked.pop(m, None)
-                entry = _packed.get(m)
-                if entry is not None:
-                    _active.pop(entry[0], None)
             if own is None:
                 m.__dict__.pop("forward", None)
             else:
@@ -126,10 +135,10 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     open ``packed_linears`` context holds for exactly this weight (its version counter, storage and
     strides), else ``F.linear`` itself: one opaque operator in a compiled graph, so the graph (its
     weights graph inputs, cacheable on disk) multiplies on packed weights found at run time."""
-    packed = _active.get(_key(weight))
-    if packed is None or x.dtype != weight.dtype:
+    entry = _active.get(_key(weight))
+    if entry is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    return _product(x, packed, bias)
+    return _product(x, entry[0], bias)
 
 
 @packed_linear.register_fake

@@ -97,11 +97,18 @@ def test_no_gradient_needed_computes_the_loss_alone():
     assert not got.requires_grad
 
 
-def test_every_row_ignored_gives_nan_as_cross_entropy_does():
+def test_every_row_ignored_gives_nan_as_cross_entropy_does_and_zero_gradients():
+    """A batch with nothing to predict (every caption empty, say): the mean is NaN as ``F.cross_entropy``'s,
+    and its gradients are zero as ``F.cross_entropy``'s — not NaN, which would make a training step (and
+    an accumulation window where this batch is weighted 0) skip its update."""
     h, w, b, t = _case()
+    h, w, b = (x.clone().requires_grad_() for x in (h, w, b))
     t = torch.full_like(t, -100)
-    assert torch.isnan(F.cross_entropy(F.linear(h, w, b).flatten(0, 1), t.flatten()))
-    assert torch.isnan(linear_cross_entropy(h, w, t, b))
+    want = F.cross_entropy(F.linear(h, w, b).flatten(0, 1), t.flatten())
+    got = linear_cross_entropy(h, w, t, b)
+    assert torch.isnan(want) and torch.isnan(got)
+    for a, c in zip(torch.autograd.grad(got, (h, w, b)), torch.autograd.grad(want, (h, w, b))):
+        assert torch.equal(a, torch.zeros_like(a)) and torch.equal(c, torch.zeros_like(c))
 
 
 @pytest.mark.skipif(not _AVAILABLE, reason="PyTorch built without oneDNN")

@@ -104,6 +104,42 @@ def test_a_compiled_graph_finds_the_packed_weight_at_run_time_and_never_a_stale_
         torch._dynamo.reset()
 
 
+def test_the_registry_of_packed_weights_is_undone_exactly(monkeypatch):
+    """What a compiled graph may find (``packed._active``) is exactly the open contexts' packed weights:
+    a nested context that re-packs a changed weight, a weight shared by two linears (tied), a module met
+    twice, and a failure while packing all leave nothing behind and every forward as it was."""
+    a, x = _linear(), torch.randn(2, 1, 24)
+    tied = nn.Linear(24, 40)
+    tied.weight = a.weight
+    with torch.no_grad(), packed_linears([a], 2):
+        a.weight.mul_(1.0)  # in place: the inner context packs it again, under another key
+        with packed_linears([a, tied], 2):
+            assert len(packed._active) == 2 and max(e[2] for e in packed._active.values()) == 2
+        assert len(packed._active) == 1  # the outer context's entry, still counted once
+        torch.testing.assert_close(a(x), F.linear(x, a.weight, a.bias))
+    assert not packed._active and "forward" not in vars(a) and "forward" not in vars(tied)
+
+    seq = nn.Sequential(_linear())
+    with torch.no_grad(), packed_linears([seq, seq[0]], 2) as n:  # the same linear twice
+        assert n == 2
+    assert not packed._active and "forward" not in vars(seq[0])
+
+    calls = []
+
+    def failing(w, rows):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(w, rows)
+
+    real = packed._pack
+    monkeypatch.setattr(packed, "_pack", failing)
+    two = nn.Sequential(_linear(), nn.Linear(24, 24))
+    with pytest.raises(KeyboardInterrupt), packed_linears([two], 2):
+        pass
+    assert not packed._active and all("forward" not in vars(m) for m in two)
+
+
 def test_one_row_reads_a_column_major_copy_of_a_row_major_weight_only():
     lin, col = _linear(), _linear()
     with torch.no_grad():
