@@ -186,14 +186,16 @@ def token_cross_entropy(
     predicting nothing; ``ignore_index`` where a position counts for nothing). ``reduction`` as
     ``F.cross_entropy``'s: ``"mean"`` over the counted positions, ``"sum"``, or ``"none"`` → ``(B, M)``
     float32. An ``LMHead`` computes it without the ``(B, M, V)`` logits (``LMHead.cross_entropy``), any
-    other head from its logits ``head(hidden, tokens)``. Raises ``ValueError`` when ``targets`` is longer
+    other head — or an ``LMHead`` with forward hooks, which must see its logits — from its logits
+    ``head(hidden, tokens)``. Raises ``ValueError`` when ``targets`` is longer
     than ``hidden`` or the reduction is unknown."""
     if targets.dim() != 2 or targets.shape[0] != hidden.shape[0] or targets.shape[1] > hidden.shape[1]:
         raise ValueError(
             f"targets {tuple(targets.shape)} must be (B, M) with M <= N for hidden {tuple(hidden.shape)}"
         )
     M = targets.shape[1]
-    if isinstance(head, LMHead):  # position-wise: the positions without a target are never projected
+    if isinstance(head, LMHead) and not (head._forward_hooks or head._forward_pre_hooks):
+        # position-wise: the positions without a target are never projected
         return head.cross_entropy(hidden[:, :M], targets, ignore_index, reduction)
     return logits_cross_entropy(head(hidden, tokens)[:, :M], targets, ignore_index, reduction)
 

@@ -247,6 +247,12 @@ def test_token_cross_entropy_scores_the_first_m_positions_either_way(reduction):
     )
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(want, ref)
+    hook = lm.register_forward_hook(lambda module, args, out: out * 2)  # a hook sees (and changes) the logits
+    ref = F.cross_entropy(
+        2 * lm.head(hidden[:, :5]).transpose(1, 2), targets, ignore_index=IGNORE, reduction=reduction
+    )
+    torch.testing.assert_close(token_cross_entropy(lm, hidden, None, targets, IGNORE, reduction), ref)
+    hook.remove()
     for bad in (torch.zeros(3, 8, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long), targets.flatten()):
         with pytest.raises(ValueError, match="must be \\(B, M\\) with M <= N"):
             token_cross_entropy(lm, hidden, None, bad)
