@@ -74,8 +74,14 @@ class EncoderDecoder:
     ) -> Tensor:
         """Teacher-forced next-token logits ``(B, L, V)`` of text ``ids (B, L)`` long (``valid (B, L)``
         bool, True = real token) given the encoder output ``context``."""
+        return model.heads[self.lm_head](*self._decoded(model, context, ids, valid))
+
+    def _decoded(
+        self, model: MultimodalModel, context: Tokens, ids: Tensor, valid: Tensor | None
+    ) -> tuple[Tensor, Tokens]:
+        """The decoder's output ``(B, L, D)`` for text ``ids`` given ``context``, and the text Tokens."""
         text = self._text(model, ids, valid)
-        return model.heads[self.lm_head](model.backbone(text, context=context), text)
+        return model.backbone(text, context=context), text
 
     def cross_entropy(
         self,
@@ -93,9 +99,7 @@ class EncoderDecoder:
         vocabulary: 0.2 MB per target position). The interface ``PrefixLM.cross_entropy`` has. Raises
         ``ValueError`` as ``logits``."""
         self.check(model)
-        context = self.encode(model, inputs, source_valid)
-        text = self._text(model, ids, valid)
-        hidden = model.backbone(text, context=context)
+        hidden, text = self._decoded(model, self.encode(model, inputs, source_valid), ids, valid)
         return token_cross_entropy(model.heads[self.lm_head], hidden, text, targets, -100, reduction)
 
     def logits(

@@ -102,12 +102,12 @@ def generate(
     # the products of the steps on packed weights (nn.packed): eagerly every linear; with the cached
     # compiled blocks the head, which runs after them eagerly, and the blocks' own (found at run time by
     # nn.packed.packed_linear) where oneDNN is the faster library on this CPU; a frozen graph has its own
-    blocks = model.backbone_of(tokenizer)
-    packed = [blocks, model.heads[head]]
     if compile == "frozen":
         packed = []
     elif compile and not (ids.device.type == "cpu" and faster_here()):
         packed = [model.heads[head]]
+    else:
+        packed = [model.backbone_of(tokenizer), model.heads[head]]
     with packed_linears(packed, ids.shape[0]):
         for step in range(max_new_tokens):
             if steps is not None:

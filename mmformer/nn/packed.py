@@ -31,6 +31,7 @@ row count.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import types
 import weakref
@@ -51,8 +52,9 @@ _unpacked: weakref.WeakKeyDictionary[nn.Linear, types.MethodType] = weakref.Weak
 # the oneDNN-packed weights of the open contexts by their weight's key, for ``packed_linear`` to find at
 # run time inside a compiled graph (which holds the weights, not the modules): key → (the packed weight,
 # the weight itself — kept alive so that no other tensor can take its storage's address while the entry
-# exists —, how many open contexts registered it)
-_active: dict[tuple, tuple[Tensor, Tensor, int]] = {}
+# exists); ``_opened`` counts the registrations of each key by the open contexts
+_active: dict[tuple, tuple[Tensor, Tensor]] = {}
+_opened: collections.Counter[tuple] = collections.Counter()
 
 
 def _key(w: Tensor) -> tuple:
@@ -98,18 +100,15 @@ def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
                     m.forward = types.MethodType(_packed_forward, m)
                     linears.append((m, own, outermost))
                     if entry[1] == "onednn":
-                        key, _, weight = entry
-                        count = _active[key][2] if key in _active else 0
-                        _active[key] = (weight, m.weight, count + 1)
-                        registered.append(key)
+                        _active[entry[0]] = (entry[2], m.weight)
+                        _opened[entry[0]] += 1
+                        registered.append(entry[0])
         yield len(linears)
     finally:
         for key in registered:
-            weight, kept, count = _active[key]
-            if count > 1:
-                _active[key] = (weight, kept, count - 1)
-            else:
-                del _active[key]
+            _opened[key] -= 1
+            if not _opened[key]:
+                del _opened[key], _active[key]
         # each back to what it was on entry, the last change first (a module met twice, a nested context)
         for m, own, outermost in reversed(linears):
             if outermost:

@@ -114,10 +114,12 @@ def test_the_registry_of_packed_weights_is_undone_exactly(monkeypatch):
     with torch.no_grad(), packed_linears([a], 2):
         a.weight.mul_(1.0)  # in place: the inner context packs it again, under another key
         with packed_linears([a, tied], 2):
-            assert len(packed._active) == 2 and max(e[2] for e in packed._active.values()) == 2
+            assert len(packed._active) == 2 and max(packed._opened.values()) == 2
         assert len(packed._active) == 1  # the outer context's entry, still counted once
         torch.testing.assert_close(a(x), F.linear(x, a.weight, a.bias))
-    assert not packed._active and "forward" not in vars(a) and "forward" not in vars(tied)
+    assert (
+        not packed._active and not packed._opened and "forward" not in vars(a) and "forward" not in vars(tied)
+    )
 
     seq = nn.Sequential(_linear())
     with torch.no_grad(), packed_linears([seq, seq[0]], 2) as n:  # the same linear twice
