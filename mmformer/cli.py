@@ -115,6 +115,14 @@ environment: MMFORMER_RUNS (runs folder, default runs/), MMFORMER_DATA (data roo
         help="with --compile (implies it): cached (the default), or frozen — weights prepacked as constants, "
         "fastest for several prompts, compiled anew in every process",
     )
+    g.add_argument(
+        "--prompt-lookup",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="greedy decoding with drafts of up to N ids copied from the prompt and the text so far "
+        "(prompt-lookup decoding: the same ids in fewer forward passes where the output repeats its input)",
+    )
     g.set_defaults(command_fn="generate")
     e = sub.add_parser(
         "export",

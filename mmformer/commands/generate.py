@@ -59,6 +59,7 @@ def cmd_generate(args) -> int:
             gen,
             compile=args.compile_mode or args.compile,
             bar=True,
+            prompt_lookup_num_tokens=args.prompt_lookup,
         )
     except ValueError as e:  # an empty or over-long prompt: the user's input, not a bug
         raise UsageError(str(e)) from None

@@ -16,6 +16,7 @@ from ..nn.packed import packed_linears
 from ..progress import progress
 from .compiled_decoding import compiled_step
 from .model import MultimodalModel
+from .prompt_lookup import prompt_lookup_greedy
 
 
 def sample_next(
@@ -61,6 +62,10 @@ def generate(
     generator: torch.Generator | None = None,
     compile: bool | str = False,
     bar: bool = False,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int = 4,
+    min_matching_ngram_size: int = 2,
+    stats: dict | None = None,
 ) -> list[list[int]]:
     """Continue left-padded prompts ``ids, valid (B, N)``; returns each row's new ids (without the prompt,
     up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step.
@@ -73,8 +78,26 @@ def generate(
 
     With learned absolute positions (``max_len``) the continuation stops at the end of the context.
     ``bar``: a progress bar over the new tokens (``mmformer.progress``: only on a terminal).
-    Raises ``ValueError`` for an empty prompt or a prompt that already fills the context.
+
+    ``prompt_lookup_num_tokens``: greedy decoding with prompt-lookup drafts of up to this many ids
+    (``prompt_lookup``: the same ids as greedy decoding up to the rounding of a forward over several
+    positions, in fewer forward passes where the output repeats the prompt or itself; transformers'
+    argument of the same name, for any batch size), copied after matches of ``min_matching_ngram_size``
+    to ``max_matching_ngram_size`` ids (transformers': 1 to 2; ``1, 2`` drafts as it does). ``stats``,
+    when given, receives ``forwards`` (passes after the prompt) and, with prompt lookup, ``drafted`` and
+    ``accepted`` draft ids.
+    Raises ``ValueError`` for an empty prompt or a prompt that already fills the context, and for prompt
+    lookup with sampling (``temperature > 0``) or a draft length below 1.
     """
+    if prompt_lookup_num_tokens is not None:
+        if temperature > 0:
+            raise ValueError("prompt_lookup_num_tokens decodes greedily: set temperature=0")
+        if prompt_lookup_num_tokens < 1 or not 1 <= min_matching_ngram_size <= max_matching_ngram_size:
+            raise ValueError(
+                "need prompt_lookup_num_tokens >= 1 and 1 <= min_matching_ngram_size <= "
+                f"max_matching_ngram_size, got {prompt_lookup_num_tokens}, {min_matching_ngram_size}, "
+                f"{max_matching_ngram_size}"
+            )
     model.for_decoding()
     if compile:
         forward = compiled_step(model, tokenizer, "cached" if compile is True else compile)
@@ -96,19 +119,16 @@ def generate(
     with onednn_routed([model] if ids.device.type == "cpu" and faster_here() else []):
         hidden, tokens = model.encode(tokenizer, ids, cache=cache, valid=valid)
         logits = model.heads[head](hidden[:, -1:], tokens)[:, -1]  # the prompt's last position only
+    if prompt_lookup_num_tokens is not None:
+        return _with_prompt_lookup(
+            model, forward, tokenizer, head, ids, valid, cache, logits, max_new_tokens, eos_id,
+            prompt_lookup_num_tokens, (min_matching_ngram_size, max_matching_ngram_size), compile, stats, bar,
+        )  # fmt: skip
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    forwards = 0
     steps = progress(desc="generating", total=max_new_tokens, unit="token", leave=False) if bar else None
-    # the products of the steps on packed weights (nn.packed): eagerly every linear; with the cached
-    # compiled blocks the head, which runs after them eagerly, and the blocks' own (found at run time by
-    # nn.packed.packed_linear) where oneDNN is the faster library on this CPU; a frozen graph has its own
-    if compile == "frozen":
-        packed = []
-    elif compile and not (ids.device.type == "cpu" and faster_here()):
-        packed = [model.heads[head]]
-    else:
-        packed = [model.backbone_of(tokenizer), model.heads[head]]
-    with packed_linears(packed, ids.shape[0]):
+    with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), ids.shape[0]):
         for step in range(max_new_tokens):
             if steps is not None:
                 steps.update(1)
@@ -125,6 +145,47 @@ def generate(
             logits = forward(nxt[:, None], tokenizer, head, cache=cache, valid=step_valid, positions=pos)[
                 :, -1
             ]
+            forwards += 1
     if steps is not None:
         steps.close()
+    if stats is not None:
+        stats.update(forwards=forwards)
     return out
+
+
+def _packed_modules(model: MultimodalModel, tokenizer: str, head: str, ids: Tensor, compile) -> list:
+    """The modules whose products the steps after the prompt run on packed weights (``nn.packed``):
+    eagerly every linear; with the cached compiled blocks the head, which runs after them eagerly, and the
+    blocks' own (found at run time by ``nn.packed.packed_linear``) where oneDNN is the faster library on
+    this CPU; a frozen graph has its own."""
+    if compile == "frozen":
+        return []
+    if compile and not (ids.device.type == "cpu" and faster_here()):
+        return [model.heads[head]]
+    return [model.backbone_of(tokenizer), model.heads[head]]
+
+
+def _with_prompt_lookup(
+    model, forward, tokenizer, head, ids, valid, cache, logits, max_new_tokens, eos_id, n_draft, ngrams,
+    compile, stats, bar,
+) -> list[list[int]]:  # fmt: skip
+    """``generate``'s steps after the prompt with prompt-lookup drafts (``prompt_lookup``)."""
+
+    def verify(chunk: Tensor) -> Tensor:
+        pos = cache.valid.sum(dim=1, keepdim=True) + torch.arange(chunk.shape[1], device=chunk.device)
+        ones = torch.ones_like(chunk, dtype=torch.bool)
+        return forward(chunk, tokenizer, head, cache=cache, valid=ones, positions=pos.unsqueeze(-1))
+
+    texts = [row[keep].tolist() for row, keep in zip(ids, valid)]
+    steps = progress(desc="generating", total=max_new_tokens, unit="token", leave=False) if bar else None
+    # one oneDNN-packed copy serves the one-token steps and the drafted chunks (nn.packed)
+    rows = ids.shape[0] * (1 + n_draft)
+    try:
+        with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), rows):
+            return prompt_lookup_greedy(
+                verify, cache, logits, texts, max_new_tokens, eos_id, n_draft,
+                max_ngram=ngrams[1], min_ngram=ngrams[0], stats=stats, bar=steps,
+            )  # fmt: skip
+    finally:
+        if steps is not None:
+            steps.close()

@@ -17,10 +17,15 @@ column-major copy of the weights still row-major (the head, which shares the emb
 ``nn.Linear`` of ``modules`` gets a packed copy of its weight — oneDNN's for ``rows ≥ 2``, column-major
 for one row where the weight is row-major — kept in a weak table, not on the module, so the model
 stays copyable and picklable; re-packed only when the weight changed. Inside the context its forward
-uses the copy for inputs of one position per row (``(rows, 1, in)``) without gradients. Anything
-else — more positions (a prefill), gradients, another dtype, or a weight modified since it was packed
-(its version counter, storage or strides differ) — runs ``F.linear`` as before, so the result never
-uses stale weights. Traced into a compiled graph (``models.compiled_decoding``'s cached blocks), the
+uses the copy, without gradients, for inputs of at most ``rows`` rows: one position per sequence
+(``(B, 1, in)``, ``rows = B``) or, with prompt-lookup decoding (``models.prompt_lookup``), the last
+token and its draft (``(B, 1 + K, in)``, ``rows = B · (1 + K_max)``: one oneDNN-packed copy serves any
+number of rows: a 4–11-row product on it costs 35–45 % less than MKL's on the plain weights, a one-row
+product ~25 % more than on a column-major weight, so one row keeps reading a weight that is column-major
+(the blocks' decode layout); ``bench/README.md``). Anything else —
+more rows (a prefill), gradients, another dtype, or a weight modified since it was packed (its version
+counter, storage or strides differ) — runs ``F.linear`` as before, so the result never uses stale
+weights. Traced into a compiled graph (``models.compiled_decoding``'s cached blocks), the
 product is one opaque operator, ``mmformer::packed_linear``, that makes the same choice when the graph
 runs: the graph holds the weights (as inputs, so inductor's on-disk cache keeps it), and the packed
 copies of the open contexts are found by the weight's key. The same values up to the kernels'
@@ -44,8 +49,9 @@ from torch import Tensor, nn
 from .layout import _linears
 from .onednn import _product
 
-# module → (the weight's key when packed, "onednn" or "column-major", the packed weight)
-_packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, str, Tensor]] = weakref.WeakKeyDictionary()
+# module → (the weight's key when packed, "onednn" or "column-major", the packed weight, the most rows
+# an input may have to use it: the last context's ``rows``, a choice of speed only)
+_packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, str, Tensor, int]] = weakref.WeakKeyDictionary()
 # module → its own instance forward inside a ``packed_linears`` context (``nn.onednn``'s), for the
 # inputs the packed weights do not cover and to restore on exit
 _unpacked: weakref.WeakKeyDictionary[nn.Linear, types.MethodType] = weakref.WeakKeyDictionary()
@@ -72,9 +78,10 @@ def _pack(w: Tensor, rows: int) -> tuple[str, Tensor] | None:
 
 @contextlib.contextmanager
 def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
-    """Inside the context, the float32 CPU linears of ``modules`` multiply ``rows`` one-position rows
-    with packed weights (packed now unless already packed for these exact weights and kind). Yields how
-    many linears use it: 0 when oneDNN is not available or ``rows < 1`` (nothing is changed)."""
+    """Inside the context, the float32 CPU linears of ``modules`` multiply inputs of at most ``rows``
+    rows (one position per sequence, or a token and its draft) with packed weights (packed now unless
+    already packed for these exact weights and kind). Yields how many linears use it: 0 when oneDNN is
+    not available or ``rows < 1`` (nothing is changed)."""
     if rows < 1 or not torch.backends.mkldnn.is_available():
         yield 0
         return
@@ -92,7 +99,8 @@ def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
                         if form is None:
                             _packed.pop(m, None)
                             continue
-                        _packed[m] = entry = (_key(m.weight), *form)
+                        entry = (_key(m.weight), *form, rows)
+                    _packed[m] = entry = (*entry[:3], rows)
                     own = m.__dict__.get("forward")
                     outermost = own is None or getattr(own, "__func__", None) is not _packed_forward
                     if own is not None and outermost:
@@ -153,20 +161,15 @@ def _packed_forward(self: nn.Linear, x: Tensor) -> Tensor:
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, w, self.bias)
     entry = _packed.get(self)
-    if (
-        torch.is_grad_enabled()
-        or entry is None
-        or x.dim() < 2
-        or x.shape[-2] != 1
-        or x.dtype != w.dtype
-        or entry[0] != _key(w)
-    ):
+    if torch.is_grad_enabled() or entry is None or x.dtype != w.dtype or entry[0] != _key(w):
         return _unpacked_forward(self, x)
-    _, kind, packed = entry
+    _, kind, packed, most = entry
     rows = x.numel() // x.shape[-1]
     if kind == "column-major" and rows == 1:
         return F.linear(x, packed, self.bias)
-    if kind == "onednn" and rows >= 2:
+    if kind == "onednn" and rows == 1 and w.t().is_contiguous():
+        return _unpacked_forward(self, x)  # one row reads a column-major weight faster than a packed one
+    if kind == "onednn" and 1 <= rows <= most:
         y = _product(x.reshape(rows, x.shape[-1]), packed, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
     return _unpacked_forward(self, x)

@@ -1,5 +1,5 @@
-"""``nn.packed``: one-position rows multiplied on oneDNN-prepacked weights give ``F.linear``'s values, never
-with stale weights, and leave the modules as they were (copyable, picklable) after the context."""
+"""``nn.packed``: a decoding step's few rows multiplied on oneDNN-prepacked weights give ``F.linear``'s values,
+never with stale weights, and leave the modules as they were (copyable, picklable) after the context."""
 
 from __future__ import annotations
 
@@ -36,22 +36,32 @@ def test_packed_rows_equal_f_linear(bias, rows):
     assert "forward" not in lin.__dict__
 
 
-def test_one_row_several_positions_and_gradients_take_f_linear(monkeypatch):
-    """The packed kernel only for ``(B ≥ 2, 1, in)`` without gradients: a prefill, one row or a
-    training forward multiply as before (the packed op is not called)."""
-    lin = _linear()
+def test_more_rows_than_the_context_a_column_major_row_and_gradients_take_f_linear(monkeypatch):
+    """The packed kernel for inputs of at most the context's ``rows`` rows without gradients — one position
+    per sequence, or a token and its prompt-lookup draft: a prefill (more rows) or a training forward
+    multiply as before, and so does one row of a column-major weight (read faster as it is)."""
+    lin, col = _linear(), _linear()
+    with torch.no_grad():
+        col.weight.data = col.weight.data.t().contiguous().t()  # the blocks' decode layout
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(packed.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
-    with packed_linears([lin], 4):
+    with packed_linears([lin, col], 4):
         with torch.no_grad():
-            lin(torch.randn(4, 5, 24))  # several positions
-            lin(torch.randn(1, 1, 24))  # one row
+            lin(torch.randn(1, 5, 24))  # more rows than the context's
+            col(torch.randn(1, 1, 24))  # one row of a column-major weight
         lin(torch.randn(4, 1, 24)).sum().backward()  # gradients
         assert calls == [] and lin.weight.grad is not None
         with torch.no_grad():
-            lin(torch.randn(4, 1, 24))
-    assert calls == [1]
+            for x in (
+                torch.randn(4, 1, 24),
+                torch.randn(1, 4, 24),
+                torch.randn(2, 2, 24),
+                torch.randn(1, 1, 24),
+            ):
+                torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(col(torch.randn(1, 3, 24)).shape, (1, 3, 40))
+    assert calls == [1] * 5
 
 
 def test_a_weight_changed_after_packing_is_never_read_stale():

@@ -116,8 +116,21 @@ def test_train_and_generate_through_the_cli(workdir, capsys):
     assert "throughput/tokens_per_sec" in keys and "val/corpus/ppl" in keys
     assert "tokenizers" in torch.load(ckpt, weights_only=True)["mmformer"]
     (workdir / "corpus.txt").unlink()  # the checkpoint stands alone: no corpus needed to generate
-    assert main(["generate", str(ckpt), "--prompt", "And the light", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out.startswith("And the light")
+    assert main(["generate", str(ckpt), "--prompt", "And the light", "--max-new-tokens", "12"]) == 0
+    plain = capsys.readouterr().out
+    assert plain.startswith("And the light")
+    args = [
+        "generate",
+        str(ckpt),
+        "--prompt",
+        "And the light",
+        "--max-new-tokens",
+        "12",
+        "--prompt-lookup",
+        "4",
+    ]
+    assert main(args) == 0
+    assert capsys.readouterr().out == plain  # greedy decoding's text, drafts or not
 
 
 def test_generation_respects_the_context_and_refuses_empty_prompts():
@@ -174,6 +187,9 @@ def test_generate_cli_reports_bad_input_in_one_line(workdir, capsys):
     with pytest.raises(SystemExit):
         main(["generate", ckpt, "--prompt", "x", "--top-k", "0"])
     assert "must be >= 1" in capsys.readouterr().err
+    assert main(["generate", ckpt, "--prompt", "x", "--prompt-lookup", "4", "--temperature", "0.7"]) == 2
+    err = capsys.readouterr().err
+    assert "decodes greedily: set temperature=0" in err and len(err.strip().splitlines()) == 1
 
 
 def _logits_loss(model, batch):

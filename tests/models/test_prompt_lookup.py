@@ -1,0 +1,123 @@
+"""Prompt-lookup decoding: drafts as transformers' prompt lookup finds them; generation with drafts gives
+greedy decoding's ids (batched and left-padded, with eos, at the end of the context) in fewer forwards,
+rejected drafts included; bad arguments are refused."""
+
+import pytest
+import torch
+
+from mmformer.models import AttentionConfig, PositionConfig, build_backbone
+from mmformer.models.generate import generate
+from mmformer.models.heads import LMHead
+from mmformer.models.model import MultimodalModel
+from mmformer.models.prompt_lookup import draft
+from mmformer.tokenizers import TextEmbedding
+
+
+def test_draft_copies_what_followed_the_earliest_occurrence_of_the_longest_matching_ngram():
+    text = [3, 9, 7, 1, 2, 3, 4, 8, 2, 3]
+    assert draft(text, 3, max_ngram=2) == [4, 8, 2]  # "2 3" first occurs at 4
+    assert draft(text, 3, max_ngram=1) == [9, 7, 1]  # "3" alone first occurs at 0
+    assert draft(text, 10, max_ngram=2) == [4, 8, 2, 3]  # to the end of the text
+    assert draft([1, 2, 3, 4], 3, max_ngram=2) == []  # nothing recurs
+    assert draft([4, 1, 2, 4], 2, max_ngram=3, min_ngram=2) == []  # only a 1-gram recurs
+    assert draft([4, 1, 2, 4], 2, max_ngram=3, min_ngram=1) == [1, 2]
+    assert draft([7], 2) == [] and draft([7, 7], 2, min_ngram=1) == [7]
+    for bad in (
+        {"n_draft": 0},
+        {"n_draft": 2, "min_ngram": 0},
+        {"n_draft": 2, "max_ngram": 1, "min_ngram": 2},
+    ):
+        with pytest.raises(ValueError, match="n_draft"):
+            draft(text, **bad)
+
+
+def test_draft_equals_transformers_prompt_lookup():
+    candidates = pytest.importorskip("transformers.generation.candidate_generator")
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        ids = torch.randint(0, 6, (1, int(torch.randint(2, 40, (1,), generator=g))), generator=g)
+        n_draft, max_ngram = 1 + trial % 5, 1 + trial % 3
+        ref = candidates.PromptLookupCandidateGenerator(
+            num_output_tokens=n_draft, max_matching_ngram_size=max_ngram, max_length=10_000
+        )
+        want = ref.get_candidates(ids)[0][0, ids.shape[1] :].tolist()
+        assert draft(ids[0].tolist(), n_draft, max_ngram, min_ngram=1) == want
+
+
+def _lm(seed: int, vocab: int = 24, d: int = 32, max_len: int | None = None) -> MultimodalModel:
+    """A random 2-layer causal LM whose greedy continuations repeat in part (drafts are kept and
+    rejected)."""
+    torch.manual_seed(seed)
+    positions = PositionConfig("rope") if max_len is None else PositionConfig()
+    model = MultimodalModel(
+        {"text": TextEmbedding(vocab, d, max_len=max_len)},
+        build_backbone(d, 2, AttentionConfig(4), positions=positions, causal=True),
+        {"lm": LMHead(d, vocab)},
+    )
+    return model.eval()
+
+
+def _prompts(seed: int, vocab: int = 24):
+    ids = torch.randint(0, vocab, (3, 12), generator=torch.Generator().manual_seed(seed))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[0, :3] = valid[2, :7] = False  # left-padded rows of 9, 12 and 5 tokens
+    return ids, valid
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+@pytest.mark.parametrize(("n_draft", "ngrams"), [(1, (1, 2)), (4, (1, 2)), (10, (2, 4)), (3, (3, 3))])
+def test_generation_with_drafts_gives_the_greedy_ids_in_fewer_forwards(seed, n_draft, ngrams):
+    model = _lm(seed)
+    ids, valid = _prompts(seed)
+    plain, drafted = {}, {}
+    want = generate(model, "text", "lm", ids, valid, 30, stats=plain)
+    got = generate(
+        model, "text", "lm", ids, valid, 30, stats=drafted, prompt_lookup_num_tokens=n_draft,
+        min_matching_ngram_size=ngrams[0], max_matching_ngram_size=ngrams[1],
+    )  # fmt: skip
+    assert got == want
+    assert plain["forwards"] == 29
+    assert 0 < drafted["accepted"] < drafted["drafted"]  # drafts were kept and drafts were rejected
+    assert drafted["forwards"] < plain["forwards"]
+    for row, (ids_row, keep) in enumerate(zip(ids, valid)):  # one row at a time: the same ids
+        one = ids_row[keep][None]
+        alone = generate(
+            model,
+            "text",
+            "lm",
+            one,
+            torch.ones_like(one, dtype=torch.bool),
+            30,
+            prompt_lookup_num_tokens=n_draft,
+        )
+        assert alone == [want[row]]
+
+
+def test_rows_stop_at_eos_and_the_context_end_as_greedy_decoding():
+    model = _lm(3)
+    ids, valid = _prompts(3)
+    plain = generate(model, "text", "lm", ids, valid, 30)
+    stop = next(i for i, t in enumerate(plain[0]) if i >= 4 and t not in plain[0][:i])
+    eos = plain[0][stop]  # ends row 0 after `stop` ids; the others where (if) they produce it
+    want = generate(model, "text", "lm", ids, valid, 30, eos_id=eos)
+    assert len(want[0]) == stop
+    assert generate(model, "text", "lm", ids, valid, 30, eos_id=eos, prompt_lookup_num_tokens=6) == want
+    for new in (1, 2, 3):  # budgets shorter than a draft
+        assert generate(model, "text", "lm", ids, valid, new, prompt_lookup_num_tokens=6) == [
+            r[:new] for r in plain
+        ]
+    short = _lm(1, max_len=16)  # learned positions: 16 - 12 = 4 new ids for the longest row
+    want = generate(short, "text", "lm", ids, valid, 30)
+    assert [len(r) for r in want] == [4] * 3
+    assert generate(short, "text", "lm", ids, valid, 30, prompt_lookup_num_tokens=10) == want
+
+
+def test_prompt_lookup_refuses_sampling_and_bad_sizes():
+    model = _lm(0)
+    ids, valid = _prompts(0)
+    with pytest.raises(ValueError, match="greedily"):
+        generate(model, "text", "lm", ids, valid, 4, temperature=0.7, prompt_lookup_num_tokens=4)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens >= 1"):
+        generate(model, "text", "lm", ids, valid, 4, prompt_lookup_num_tokens=0)
+    with pytest.raises(ValueError, match="min_matching_ngram_size"):
+        generate(model, "text", "lm", ids, valid, 4, prompt_lookup_num_tokens=4, min_matching_ngram_size=5)
