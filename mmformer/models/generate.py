@@ -181,7 +181,7 @@ def _with_prompt_lookup(
     # one oneDNN-packed copy serves the one-token steps and the drafted chunks (nn.packed)
     rows = ids.shape[0] * (1 + n_draft)
     try:
-        with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), rows):
+        with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), rows, ids.shape[0] == 1):
             return prompt_lookup_greedy(
                 verify, cache, logits, texts, max_new_tokens, eos_id, n_draft,
                 max_ngram=ngrams[1], min_ngram=ngrams[0], stats=stats, bar=steps,

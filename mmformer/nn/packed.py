@@ -22,7 +22,8 @@ uses the copy, without gradients, for inputs of at most ``rows`` rows: one posit
 token and its draft (``(B, 1 + K, in)``, ``rows = B · (1 + K_max)``: one oneDNN-packed copy serves any
 number of rows: a 4–11-row product on it costs 35–45 % less than MKL's on the plain weights, a one-row
 product ~25 % more than on a column-major weight, so one row keeps reading a weight that is column-major
-(the blocks' decode layout); ``bench/README.md``). Anything else —
+(the blocks' decode layout) and, with ``one_row=True``, a column-major copy of a row-major one (the tied
+head); ``bench/README.md``). Anything else —
 more rows (a prefill), gradients, another dtype, or a weight modified since it was packed (its version
 counter, storage or strides differ) — runs ``F.linear`` as before, so the result never uses stale
 weights. Traced into a compiled graph (``models.compiled_decoding``'s cached blocks), the
@@ -50,8 +51,11 @@ from .layout import _linears
 from .onednn import _product
 
 # module → (the weight's key when packed, "onednn" or "column-major", the packed weight, the most rows
-# an input may have to use it: the last context's ``rows``, a choice of speed only)
-_packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, str, Tensor, int]] = weakref.WeakKeyDictionary()
+# an input may have to use it: the last context's ``rows``, a choice of speed only; a column-major copy of
+# a row-major weight for one-row inputs beside the oneDNN one, or None)
+_packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, str, Tensor, int, Tensor | None]] = (
+    weakref.WeakKeyDictionary()
+)
 # module → its own instance forward inside a ``packed_linears`` context (``nn.onednn``'s), for the
 # inputs the packed weights do not cover and to restore on exit
 _unpacked: weakref.WeakKeyDictionary[nn.Linear, types.MethodType] = weakref.WeakKeyDictionary()
@@ -77,11 +81,13 @@ def _pack(w: Tensor, rows: int) -> tuple[str, Tensor] | None:
 
 
 @contextlib.contextmanager
-def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
+def packed_linears(modules: Iterable[nn.Module], rows: int, one_row: bool = False) -> Iterator[int]:
     """Inside the context, the float32 CPU linears of ``modules`` multiply inputs of at most ``rows``
     rows (one position per sequence, or a token and its draft) with packed weights (packed now unless
-    already packed for these exact weights and kind). Yields how many linears use it: 0 when oneDNN is
-    not available or ``rows < 1`` (nothing is changed)."""
+    already packed for these exact weights and kind). ``one_row``: one-row inputs occur too (prompt
+    lookup's undrafted steps of one sequence), so a row-major weight also gets a column-major copy for
+    them. Yields how many linears use it: 0 when oneDNN is not available or ``rows < 1`` (nothing is
+    changed)."""
     if rows < 1 or not torch.backends.mkldnn.is_available():
         yield 0
         return
@@ -99,8 +105,11 @@ def packed_linears(modules: Iterable[nn.Module], rows: int) -> Iterator[int]:
                         if form is None:
                             _packed.pop(m, None)
                             continue
-                        entry = (_key(m.weight), *form, rows)
-                    _packed[m] = entry = (*entry[:3], rows)
+                        entry = (_key(m.weight), *form, rows, None)
+                    single = entry[4]
+                    if single is None and one_row and kind == "onednn" and _pack(m.weight, 1) is not None:
+                        single = _pack(m.weight, 1)[1]
+                    _packed[m] = entry = (*entry[:3], rows, single)
                     own = m.__dict__.get("forward")
                     outermost = own is None or getattr(own, "__func__", None) is not _packed_forward
                     if own is not None and outermost:
@@ -163,12 +172,13 @@ def _packed_forward(self: nn.Linear, x: Tensor) -> Tensor:
     entry = _packed.get(self)
     if torch.is_grad_enabled() or entry is None or x.dtype != w.dtype or entry[0] != _key(w):
         return _unpacked_forward(self, x)
-    _, kind, packed, most = entry
+    _, kind, packed, most, single = entry
     rows = x.numel() // x.shape[-1]
-    if kind == "column-major" and rows == 1:
-        return F.linear(x, packed, self.bias)
-    if kind == "onednn" and rows == 1 and w.t().is_contiguous():
-        return _unpacked_forward(self, x)  # one row reads a column-major weight faster than a packed one
+    if rows == 1:  # one row reads a column-major weight faster than a oneDNN-packed one
+        if kind == "column-major" or single is not None:
+            return F.linear(x, packed if kind == "column-major" else single, self.bias)
+        if w.t().is_contiguous():
+            return _unpacked_forward(self, x)
     if kind == "onednn" and 1 <= rows <= most:
         y = _product(x.reshape(rows, x.shape[-1]), packed, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -74,6 +74,25 @@ def test_compiled_steps_generate_the_eager_ids_and_follow_weight_changes(mode, m
     assert not compiled_decoding._current
 
 
+@pytest.mark.slow
+def test_compiled_blocks_verify_prompt_lookup_drafts():
+    """A token and its draft (several positions) through the compiled blocks: greedy decoding's ids, with
+    drafts kept and rejected, and the compiled step reused by the next call."""
+    model = tiny_llama().eval()
+    ids, valid = _prompts()
+    want = generate(model, "text", "lm", ids, valid, 24)
+    kwargs = {"prompt_lookup_num_tokens": 4, "min_matching_ngram_size": 1, "compile": True}
+    try:
+        stats: dict = {}
+        assert generate(model, "text", "lm", ids, valid, 24, stats=stats, **kwargs) == want
+        assert 0 < stats["accepted"] < stats["drafted"]
+        step = compiled_decoding._current["step"]
+        assert generate(model, "text", "lm", ids, valid, 20, **kwargs) == [r[:20] for r in want]
+        assert compiled_decoding._current["step"] is step
+    finally:
+        compiled_decoding.clear()
+
+
 _LOAD_TWICE = textwrap.dedent(
     """
     import json, os, torch

@@ -166,6 +166,22 @@ def test_one_row_reads_a_column_major_copy_of_a_row_major_weight_only():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
+def test_one_row_beside_a_draft_reads_a_column_major_copy(monkeypatch):
+    """``one_row=True`` (prompt lookup of one sequence): a row-major weight keeps a column-major copy for
+    one-row inputs beside its oneDNN-packed copy for a token and its draft; both give ``F.linear``'s
+    values."""
+    lin = _linear()
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(packed.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad(), packed_linears([lin], 11, one_row=True):
+        single = packed._packed[lin][4]
+        assert single.t().is_contiguous() and torch.equal(single, lin.weight)
+        for x in (torch.randn(1, 1, 24), torch.randn(1, 6, 24)):
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1]  # the six-row input only
+
+
 def test_no_rows_packs_nothing_and_the_context_restores_on_error():
     lin = _linear()
     with packed_linears([lin], 0) as n:
