@@ -18,9 +18,10 @@ draft from a 1-gram kept 0.3–0.7 ids on average, from a 4-gram 5–8), and a d
 transformers' schedule for assistant models does: two longer after a draft kept whole, the kept run + 1
 after a rejection (at least 2, at most ``n_draft``).
 
-Rows of a batch advance together: a step keeps the shortest accepted run of the rows still decoding
-(each row's KV cache holds the same number of positions). A row without a draft pads its chunk with any
-ids: a padded id that equals the model's choice is as correct as a drafted one. transformers' prompt
+Rows of a batch verify in one forward (a row without a draft, or a shorter one, is padded with ids
+that are never kept) and each advances by its own kept run: the KV cache keeps the longest, and in
+the other rows the positions after theirs become padding (``KVCache.pad_tail``), which later queries
+mask as they mask left padding, while positions count each row's real tokens. transformers' prompt
 lookup decodes one row at a time (assisted decoding refuses a batch).
 
 Shape legend: B batch, K draft length, V vocabulary.
@@ -73,73 +74,86 @@ def prompt_lookup_greedy(
     """Greedy decoding from the prompt's next-token ``logits (B, V)`` with prompt-lookup drafts; returns
     each row's new ids, up to and excluding ``eos``, as greedy decoding does.
 
-    ``verify(ids (B, 1 + K) long) → logits (B, 1 + K, V)`` runs the model over the last generated token
-    and K drafted ones, appending them to ``cache``; the positions of rejected drafts are then dropped
-    (``KVCache.truncate``). ``texts``: each row's real prompt ids (no padding), extended in place with
-    what is generated — the drafts are looked up there. ``n_draft``: at most this many ids drafted per
-    step (transformers' ``prompt_lookup_num_tokens``); ``max_ngram`` / ``min_ngram``: the longest and
-    shortest n-gram matched (``draft``). ``bar``: a progress bar (``update(n)``) told of each new id.
-    ``stats``, when given, is filled with ``forwards`` (passes after the
-    prompt), ``drafted`` and ``accepted`` (draft ids verified and kept, summed over rows). No forward runs
-    for logits nobody reads; a draft never reaches past ``max_new_tokens``, so no position beyond plain
-    greedy decoding's last is written. ``max_new_tokens`` must be >= 1 (the caller checks)."""
+    ``verify(ids (B, 1 + K) long) → logits (B, 1 + K, V)`` runs the model over each row's last generated
+    token and its draft (padded to the longest, K), appending them to ``cache`` at positions that count
+    each row's real tokens (``cache.valid``); then the positions after the longest kept run are dropped
+    (``KVCache.truncate``) and, in a row that kept fewer, its rejected ones become padding
+    (``KVCache.pad_tail``), so every row advances by its own kept run. ``texts``: each row's real prompt
+    ids (no padding), extended in place with what is generated — the drafts are looked up there.
+    ``n_draft``: at most this many ids drafted per step (transformers' ``prompt_lookup_num_tokens``);
+    ``max_ngram`` / ``min_ngram``: the longest and shortest n-gram matched (``draft``). ``bar``: a
+    progress bar (``update(n)``) told of the longest row's new ids. ``stats``, when given, is filled with
+    ``forwards`` (passes after the prompt), ``drafted`` and ``accepted`` (draft ids verified and kept,
+    summed over rows). No forward runs for logits nobody reads, and a row's draft never reaches past its
+    ``max_new_tokens``. ``max_new_tokens`` must be >= 1 (the caller checks)."""
     B = logits.shape[0]
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
+    produced = [0] * B  # new ids per row so far
+    allowed = [n_draft] * B  # the draft length each row's last verification earned
     counts = {"forwards": 0, "drafted": 0, "accepted": 0}
-    produced = 0  # new ids per row so far: every row advances by the same number
-    allowed = n_draft  # the draft length the last verification earned
 
-    def emit(tokens: list[int]) -> None:
-        nonlocal produced
-        produced += 1
-        if bar is not None:
-            bar.update(1)
-        for i, tok in enumerate(tokens):
-            if done[i]:
-                continue
-            if tok == eos_id:
-                done[i] = True
-            else:
-                out[i].append(tok)
-                texts[i].append(tok)
+    def emit(i: int, tok: int) -> None:
+        produced[i] += 1
+        if tok == eos_id:
+            done[i] = True
+            return
+        out[i].append(tok)
+        texts[i].append(tok)
+        done[i] = produced[i] == max_new_tokens
 
-    nxt = logits.argmax(dim=-1)  # (B,)
-    while True:
-        emit(nxt.tolist())
-        left = max_new_tokens - produced
-        if all(done) or left == 0:
-            break
-        # one forward yields at most K + 1 ids: the draft stays within what is left to generate
-        room = min(allowed, left - 1)
+    def tell(before: int) -> None:  # the progress bar follows the longest row
+        if bar is not None and max(produced) > before:
+            bar.update(max(produced) - before)
+
+    nxt = logits.argmax(dim=-1).tolist()  # each row's next id, not yet fed
+    for i, tok in enumerate(nxt):
+        emit(i, tok)
+    tell(0)
+    while not all(done):
+        # one forward yields at most K + 1 ids: a draft stays within what its row has left to generate
+        rooms = [0 if done[i] else min(allowed[i], max_new_tokens - produced[i] - 1) for i in range(B)]
         drafts = [
-            [] if done[i] or room == 0 else draft(texts[i], room, max_ngram, min_ngram) for i in range(B)
+            draft(texts[i], room, max_ngram, min_ngram) if room > 0 else [] for i, room in enumerate(rooms)
         ]
-        K = max(map(len, drafts), default=0)
-        chunk = nxt.new_zeros(B, 1 + K)
-        chunk[:, 0] = nxt
+        K = max(map(len, drafts))
+        chunk = torch.zeros(B, 1 + K, dtype=torch.long)
+        chunk[:, 0] = torch.tensor(nxt)
         for i, d in enumerate(drafts):
             if d:
                 chunk[i, 1 : 1 + len(d)] = torch.tensor(d)
         before = cache.length
-        pred = verify(chunk).argmax(dim=-1)  # (B, 1 + K): the model's choice after each fed id
+        pred = verify(chunk.to(logits.device)).argmax(dim=-1).cpu()  # (B, 1 + K): the choice after each id
         counts["forwards"] += 1
-        # the kept run: drafted ids equal to the model's choice before them, the same length in every row
-        agree = pred[:, :K] == chunk[:, 1:]
-        agree[torch.tensor(done, device=agree.device)] = True
-        kept = int(agree.long().cumprod(dim=1).sum(dim=1).min()) if K else 0
-        if K:  # longer after a draft kept whole, the kept run + 1 after a rejection (never below 2)
-            allowed = min(n_draft, allowed + 2) if kept == K else max(min(2, n_draft), kept + 1)
-        counts["drafted"] += sum(len(d) for d in drafts)
-        counts["accepted"] += sum(min(kept, len(d)) for d in drafts)
-        for j in range(kept):
-            emit(pred[:, j].tolist())
-            if all(done):
-                break
+        # each row's kept run: its drafted ids equal to the model's choice before them
+        agree = (pred[:, :K] == chunk[:, 1:]).long().cumprod(dim=1).sum(dim=1).tolist() if K else [0] * B
+        kept = [min(a, len(d)) for a, d in zip(agree, drafts)]
+        counts["drafted"] += sum(map(len, drafts))
+        counts["accepted"] += sum(kept)
+        for i, d in enumerate(drafts):  # longer after a draft kept whole, the kept run + 1 after a rejection
+            if d:
+                full = kept[i] == len(d)
+                allowed[i] = min(n_draft, allowed[i] + 2) if full else max(min(2, n_draft), kept[i] + 1)
+        longest = max(k for k, ended in zip(kept, done) if not ended)
+        pred = pred.tolist()
+
+        live = [not ended for ended in done]
+        most = max(produced)
+        for i in range(B):
+            if done[i]:
+                continue
+            for j in range(kept[i] + 1):  # the kept drafts, then the model's next choice
+                emit(i, pred[i][j])
+                if done[i]:
+                    break
+            nxt[i] = pred[i][kept[i]]
+        tell(most)
         if all(done):
             break
-        cache.truncate(before + 1 + kept)  # the fed token and the kept drafts stay cached
-        nxt = pred[:, kept]
+        cache.truncate(before + 1 + longest)  # each fed token and the longest kept run stay cached
+        if any(k != longest for k, alive in zip(kept, live) if alive):
+            keep = [1 + (k if alive else longest) for k, alive in zip(kept, live)]
+            cache.pad_tail(before, torch.tensor(keep, device=logits.device))
     if stats is not None:
         stats.update(counts)
     return out

@@ -113,6 +113,25 @@ class KVCache:
         self.valid, self.document = self.valid[:, :length], self.document[:, :length]
         self.positions, self.span_open = self.positions[:, :length], None
 
+    def pad_tail(self, start: int, keep: Tensor) -> None:
+        """Of the positions from ``start`` on, row ``b`` keeps its first ``keep[b]`` and the rest become
+        padding: not valid (masked from every later query) and their keys and values zeroed, as padding
+        is stored. Prompt-lookup decoding advances each row of a batch by its own kept run
+        (``models.prompt_lookup``); later positions count each row's valid tokens
+        (``next_positions``), so a row continues where its real tokens end. ``keep (B,)`` long. Raises
+        ``ValueError`` for a ``start`` outside ``[0, self.length]``."""
+        if not 0 <= start <= self.length:
+            raise ValueError(f"cannot pad from position {start} of a cache of {self.length}")
+        if self.valid is None or start == self.length:
+            return
+        offsets = torch.arange(self.length - start, device=self.valid.device)
+        pad = offsets[None, :] >= keep.to(self.valid.device)[:, None]  # (B, length - start)
+        self.valid = torch.cat([self.valid[:, :start], self.valid[:, start:] & ~pad], dim=1)
+        zero = pad[:, None, :, None]
+        for layer in self.keys:  # views of the buffers: written in place
+            self.keys[layer][:, :, start:].masked_fill_(zero, 0.0)
+            self.values[layer][:, :, start:].masked_fill_(zero, 0.0)
+
     def extend(self, valid: Tensor, document: Tensor, positions: Tensor) -> None:
         """Append the new tokens' metadata (called once per forward, after every layer ran). The first
         call stores copies, not the caller's tensors: those may be views (an ``expand``), and a compiled

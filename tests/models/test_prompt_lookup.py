@@ -10,6 +10,7 @@ from mmformer.models.generate import generate
 from mmformer.models.heads import LMHead
 from mmformer.models.model import MultimodalModel
 from mmformer.models.prompt_lookup import draft
+from mmformer.nn.kv_cache import KVCache
 from mmformer.tokenizers import TextEmbedding
 
 
@@ -66,7 +67,12 @@ def _prompts(seed: int, vocab: int = 24):
 
 @pytest.mark.parametrize("seed", [0, 1, 3])
 @pytest.mark.parametrize(("n_draft", "ngrams"), [(1, (1, 2)), (4, (1, 2)), (10, (2, 4)), (3, (3, 3))])
-def test_generation_with_drafts_gives_the_greedy_ids_in_fewer_forwards(seed, n_draft, ngrams):
+def test_generation_with_drafts_gives_the_greedy_ids_in_fewer_forwards(seed, n_draft, ngrams, monkeypatch):
+    """Rows of the batch keep runs of different lengths: each advances by its own (the others' rejected
+    positions become padding of the KV cache, ``KVCache.pad_tail``)."""
+    padded = []
+    real = KVCache.pad_tail
+    monkeypatch.setattr(KVCache, "pad_tail", lambda self, *a: padded.append(1) or real(self, *a))
     model = _lm(seed)
     ids, valid = _prompts(seed)
     plain, drafted = {}, {}
@@ -79,6 +85,7 @@ def test_generation_with_drafts_gives_the_greedy_ids_in_fewer_forwards(seed, n_d
     assert plain["forwards"] == 29
     assert 0 < drafted["accepted"] < drafted["drafted"]  # drafts were kept and drafts were rejected
     assert drafted["forwards"] < plain["forwards"]
+    assert padded  # rows advanced by different runs
     for row, (ids_row, keep) in enumerate(zip(ids, valid)):  # one row at a time: the same ids
         one = ids_row[keep][None]
         alone = generate(
@@ -121,3 +128,20 @@ def test_prompt_lookup_refuses_sampling_and_bad_sizes():
         generate(model, "text", "lm", ids, valid, 4, prompt_lookup_num_tokens=0)
     with pytest.raises(ValueError, match="min_matching_ngram_size"):
         generate(model, "text", "lm", ids, valid, 4, prompt_lookup_num_tokens=4, min_matching_ngram_size=5)
+
+
+def test_pad_tail_turns_a_rows_rejected_positions_into_padding():
+    cache = KVCache()
+    k = torch.randn(2, 1, 5, 4)
+    cache.update(0, k, k + 1)
+    cache.extend(
+        torch.ones(2, 5, dtype=torch.bool), torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, 1)
+    )
+    cache.pad_tail(2, torch.tensor([3, 1]))  # row 0 keeps positions 2-4, row 1 only position 2
+    assert cache.valid.tolist() == [[True] * 5, [True, True, True, False, False]]
+    assert torch.equal(cache.keys[0][0], k[0]) and torch.equal(cache.values[0][0], k[0] + 1)
+    assert cache.keys[0][1, :, 3:].abs().sum() == 0 and cache.values[0][1, :, 3:].abs().sum() == 0
+    assert torch.equal(cache.keys[0][1, :, :3], k[1, :, :3])
+    assert cache.next_positions(torch.ones(2, 1, dtype=torch.bool))[:, 0, 0].tolist() == [5, 3]
+    with pytest.raises(ValueError, match="cannot pad from position 6"):
+        cache.pad_tail(6, torch.tensor([0, 0]))
