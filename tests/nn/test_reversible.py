@@ -104,10 +104,12 @@ def test_backward_recomputes_under_the_forwards_autocast():
 
 
 def test_ff_chunks_change_neither_output_nor_gradients():
-    x = torch.randn(3, N, D)  # 7 tokens in 3 pieces: 3, 3, 1
+    x = torch.randn(3, N, D, generator=torch.Generator().manual_seed(0))  # 7 tokens in 3 pieces: 3, 3, 1
     whole = _run(reversible_stack, _blocks(drop_path=0.5).train(), x, seed=5)
     chunked = _run(reversible_stack, _blocks(drop_path=0.5, ff_chunks=3).train(), x, seed=5)
-    _assert_same(chunked, whole, atol=1e-6)
+    # the weight gradients sum the pieces' products in another order: float32 rounding, not 1e-6 on
+    # every input (an unseeded input failed so at 1.3e-6); the issue's bound for reversible is 1e-5
+    _assert_same(chunked, whole, atol=1e-5)
 
 
 def test_block_inverts_its_outputs():
