@@ -103,6 +103,32 @@ def test_batched_left_padded_generation_equals_one_at_a_time(ours):
 
 
 @pytest.mark.slow
+def test_smollm2_prompt_lookup_gives_its_greedy_ids_in_fewer_forwards(ours):
+    """A chat answer that copies its prompt (fixing the spelling of a passage), one prompt and two
+    left-padded: prompt-lookup decoding gives greedy decoding's ids, with drafts kept."""
+    tok = ours.tokenizer
+    passage = "In the begining God created the heaven and the earth. And the earth was without form."
+    texts = [f"Fix the spelling mistakes in this text and return the corrected text:\n\n{passage}", PROMPT]
+    seqs = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    for rows in (seqs[:1], seqs):
+        ids, valid = tok.pad_batch(rows, side="left")
+        want = generate(ours.model, "text", "lm", ids, valid, 40, eos_id=tok.eos_id)
+        stats: dict = {}
+        got = generate(
+            ours.model,
+            "text",
+            "lm",
+            ids,
+            valid,
+            40,
+            eos_id=tok.eos_id,
+            prompt_lookup_num_tokens=10,
+            stats=stats,
+        )
+        assert got == want and stats["accepted"] > 0 and stats["forwards"] < max(map(len, want)) - 1
+
+
+@pytest.mark.slow
 def test_smollm2_exports_to_a_directory_transformers_loads(ours, tmp_path):
     save_hf_llama(ours.model, ours.config, tmp_path, ours.tokenizer)
     ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
