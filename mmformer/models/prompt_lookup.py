@@ -134,10 +134,9 @@ def prompt_lookup_greedy(
             if d:
                 full = kept[i] == len(d)
                 allowed[i] = min(n_draft, allowed[i] + 2) if full else max(min(2, n_draft), kept[i] + 1)
-        longest = max(k for k, ended in zip(kept, done) if not ended)
+        live = [not ended for ended in done]  # the rows this forward decoded for
+        longest = max(k for k, alive in zip(kept, live) if alive)
         pred = pred.tolist()
-
-        live = [not ended for ended in done]
         most = max(produced)
         for i in range(B):
             if done[i]:

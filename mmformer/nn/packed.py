@@ -107,8 +107,9 @@ def packed_linears(modules: Iterable[nn.Module], rows: int, one_row: bool = Fals
                             continue
                         entry = (_key(m.weight), *form, rows, None)
                     single = entry[4]
-                    if single is None and one_row and kind == "onednn" and _pack(m.weight, 1) is not None:
-                        single = _pack(m.weight, 1)[1]
+                    if single is None and one_row and kind == "onednn":  # a row-major weight's one-row copy
+                        one = _pack(m.weight, 1)
+                        single = one[1] if one is not None else None
                     _packed[m] = entry = (*entry[:3], rows, single)
                     own = m.__dict__.get("forward")
                     outermost = own is None or getattr(own, "__func__", None) is not _packed_forward
