@@ -5,17 +5,17 @@ against greedy decoding and transformers' own prompt lookup, on the real SmolLM2
     python bench/prompt_lookup.py --only typos,open --pairs 3   # some workloads
     python bench/prompt_lookup.py --quick                       # 16 new tokens, 1 round: checks the script
 
-Each workload is one chat prompt whose answer copies its input to a varying degree (fixing the spelling
-of a passage, rewriting a function, renaming a variable) or not at all (a poem), decoded greedily to
-``eos`` or ``--new-tokens``. Per workload, batch 1, timed round-robin (each side twice in a row, the
-second call timed, so a switch's re-packing of weights is not counted): mmformer's prompt lookup with
-its defaults (drafts of up to 10 ids after 2–4-gram matches, adaptive length), mmformer's greedy
+Each workload is one chat prompt whose answer copies its input to a varying degree (fixing the spelling of a
+passage, rewriting a function, renaming a variable) or not at all (a poem), decoded greedily to ``eos`` or
+``--new-tokens``. Per workload, batch 1, timed round-robin (each side twice in a row, the second call timed,
+so a switch's re-packing of weights is not counted): mmformer's prompt lookup with its defaults (drafts of up
+to 10 ids after 2–4-gram matches, of the length with the most ids expected per second), mmformer's greedy
 decoding, transformers' greedy ``generate`` and transformers' ``generate(prompt_lookup_num_tokens=10)``
-(1–2-gram matches, fixed length). Batch 4 (the four copying prompts left-padded together): mmformer's
-prompt lookup and greedy decoding, transformers' greedy ``generate`` (its prompt lookup refuses a
-batch). Every side's ids are checked against mmformer's greedy ones. Ratios are other / mmformer's
-prompt lookup (> 1: prompt lookup is faster), median and IQR over the rounds. Numbers go to
-``bench/README.md``; nothing here is a test.
+(1–2-gram matches, fixed length). Batch 4 (the four copying prompts left-padded together): mmformer's prompt
+lookup and greedy decoding, transformers' greedy ``generate`` (its prompt lookup refuses a batch). Every
+side's ids are checked against mmformer's greedy ones. Ratios are other / mmformer's prompt lookup (> 1:
+prompt lookup is faster), median and IQR over the rounds. Numbers go to ``bench/README.md``; nothing here is a
+test.
 """
 
 from __future__ import annotations

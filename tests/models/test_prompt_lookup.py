@@ -1,15 +1,17 @@
 """Prompt-lookup decoding: drafts as transformers' prompt lookup finds them; generation with drafts gives
 greedy decoding's ids (batched and left-padded, with eos, at the end of the context) in fewer forwards,
-rejected drafts included; bad arguments are refused."""
+rejected drafts included; the draft length is the one at which the slowest row advances fastest, with
+forward costs learned from the call and kept runs scored against what was generated; bad arguments are
+refused."""
 
 import pytest
 import torch
 
-from mmformer.models import AttentionConfig, PositionConfig, build_backbone
+from mmformer.models import AttentionConfig, PositionConfig, build_backbone, prompt_lookup
 from mmformer.models.generate import generate
 from mmformer.models.heads import LMHead
 from mmformer.models.model import MultimodalModel
-from mmformer.models.prompt_lookup import draft
+from mmformer.models.prompt_lookup import ForwardCost, draft, draft_length, kept_run
 from mmformer.nn.kv_cache import KVCache
 from mmformer.tokenizers import TextEmbedding
 
@@ -69,10 +71,14 @@ def _prompts(seed: int, vocab: int = 24):
 @pytest.mark.parametrize(("n_draft", "ngrams"), [(1, (1, 2)), (4, (1, 2)), (10, (2, 4)), (3, (3, 3))])
 def test_generation_with_drafts_gives_the_greedy_ids_in_fewer_forwards(seed, n_draft, ngrams, monkeypatch):
     """Rows of the batch keep runs of different lengths: each advances by its own (the others' rejected
-    positions become padding of the KV cache, ``KVCache.pad_tail``)."""
+    positions become padding of the KV cache, ``KVCache.pad_tail``). Every draft is verified whole here
+    (the length policy, timed, is tested below), so the verification meets kept and rejected ids."""
     padded = []
     real = KVCache.pad_tail
     monkeypatch.setattr(KVCache, "pad_tail", lambda self, *a: padded.append(1) or real(self, *a))
+    monkeypatch.setattr(
+        prompt_lookup, "draft_length", lambda kept_if, cost, max_k: max(map(len, kept_if)) - 1
+    )
     model = _lm(seed)
     ids, valid = _prompts(seed)
     plain, drafted = {}, {}
@@ -98,6 +104,91 @@ def test_generation_with_drafts_gives_the_greedy_ids_in_fewer_forwards(seed, n_d
             prompt_lookup_num_tokens=n_draft,
         )
         assert alone == [want[row]]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_the_timed_draft_length_gives_the_greedy_ids(seed):
+    model = _lm(seed)
+    ids, valid = _prompts(seed)
+    want = generate(model, "text", "lm", ids, valid, 40)
+    for n_draft in (3, 10):
+        assert generate(model, "text", "lm", ids, valid, 40, prompt_lookup_num_tokens=n_draft) == want
+        for row, (ids_row, keep) in enumerate(zip(ids, valid)):
+            one = ids_row[keep][None]
+            alone = generate(model, "text", "lm", one, torch.ones_like(one, dtype=torch.bool), 40,
+                             prompt_lookup_num_tokens=n_draft)  # fmt: skip
+            assert alone == [want[row]]
+
+
+class _LinearCost(ForwardCost):
+    """A forward over w positions per row costs 1 + 0.1 (w - 1), whatever the clock says."""
+
+    def observe(self, width: int, seconds: float) -> None:
+        pass
+
+    def __call__(self, width: int) -> float:
+        return 1 + 0.1 * (width - 1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_the_length_policy_drafts_where_copying_pays_and_keeps_the_greedy_ids(seed, monkeypatch):
+    monkeypatch.setattr(prompt_lookup, "ForwardCost", _LinearCost)
+    model = _lm(seed)
+    ids, valid = _prompts(seed)
+    want = generate(model, "text", "lm", ids, valid, 30)
+    for row, (ids_row, keep) in enumerate(zip(ids, valid)):
+        one = ids_row[keep][None]
+        stats = {}
+        got = generate(model, "text", "lm", one, torch.ones_like(one, dtype=torch.bool), 30, stats=stats,
+                       prompt_lookup_num_tokens=10)  # fmt: skip
+        assert got == [want[row]]
+        assert stats["accepted"] > 0 and stats["forwards"] < 29
+
+
+def test_draft_length_is_where_the_slowest_row_advances_fastest():
+    row = [0, 0.9, 1.7, 2.0, 2.1]  # ids expected kept of the draft cut to 0..4 ids
+    # ids per unit of time at K = 0..4: 1, 1.9 / 1.25, 2.7 / 1.5, 3.0 / 1.75, 3.1 / 2
+    assert draft_length([row], lambda w: 1 + 0.25 * (w - 1), max_k=10) == 2
+    assert draft_length([row], lambda w: 1.0, max_k=10) == 4  # free positions: the whole draft
+    assert draft_length([row], lambda w: 1.0, max_k=2) == 2  # no longer than max_k
+    assert draft_length([row], lambda w: float(w), max_k=10) == 0  # a position costs a forward
+    assert draft_length([[0, 1, 2, 3]], lambda w: float(w), max_k=10) == 0  # a tie goes to the shorter
+    # a row without a draft carries the others' positions and gains nothing: on a CPU no draft pays
+    assert draft_length([row, [0]], lambda w: 1 + 0.1 * (w - 1), max_k=10) == 0
+    assert draft_length([row, [0, 0.5]], lambda w: 1 + 0.25 * (w - 1), max_k=10) == 1  # 1.5 / 1.25
+    # nearly free positions (a GPU; or nothing timed yet): the slowest row loses under NEAR, the sum decides
+    assert prompt_lookup.NEAR < 1 / 1.005**4
+    assert draft_length([row, [0]], lambda w: 1 + 0.005 * (w - 1), max_k=10) == 4
+    assert draft_length([row, [0]], lambda w: 1.0, max_k=10) == 4
+    assert draft_length([[0], [0]], lambda w: 1.0, max_k=10) == 0
+    assert draft_length([[0, 1.0]], lambda w: 0.0, max_k=10) == 1  # a zero cost does not divide by zero
+
+
+def test_forward_cost_learns_a_line_through_each_widths_median_without_its_first_forward():
+    cost = ForwardCost()
+    assert cost(1) == cost(11) == 1.0  # nothing timed: every width alike, so drafts get tried
+    cost.observe(1, 30.0)  # a width's first forward (a compile, new primitives) is not counted
+    assert cost(1) == 1.0
+    for t in (1.0, 1.2, 0.9):
+        cost.observe(1, t)
+    assert cost(1) == cost(9) == 1.0  # one width known: the others cost as much as it until timed
+    cost.observe(3, 50.0)
+    for t in (2.0, 2.0, 9.0):
+        cost.observe(3, t)
+    assert cost(1) == pytest.approx(1.0) and cost(3) == pytest.approx(2.0)  # medians
+    assert cost(5) == pytest.approx(3.0) and cost(11) == pytest.approx(6.0)  # the line through them
+    for t in (0.5, 0.5, 0.5, 0.5, 0.5):  # only the last five forwards of a width count
+        cost.observe(3, t)
+    assert cost(1) == cost(11) == pytest.approx(0.75)  # a line falling with width: flat, the medians' mean
+
+
+def test_a_drafts_kept_run_is_scored_against_what_was_generated():
+    text = [5, 6, 7, 8]
+    assert kept_run(text, 2, [7, 8]) == 2
+    assert kept_run(text, 2, [7, 9, 9]) == 1
+    assert kept_run(text, 2, [9]) == 0
+    assert kept_run(text, 2, [7, 8, 1]) is None  # not generated that far yet
+    assert kept_run(text, 4, [1, 2]) is None
 
 
 def test_rows_stop_at_eos_and_the_context_end_as_greedy_decoding():
