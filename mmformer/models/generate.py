@@ -68,7 +68,9 @@ def generate(
     stats: dict | None = None,
 ) -> list[list[int]]:
     """Continue left-padded prompts ``ids, valid (B, N)``; returns each row's new ids (without the prompt,
-    up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step.
+    up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step; a row
+    that samples ``eos`` leaves the batch (``KVCache.reorder``), so later steps compute only the rows still
+    decoding (a compiled step keeps every row: its graph is built for the batch size).
 
     ``compile``: run the blocks of the steps after the prompt as one compiled graph
     (``compiled_decoding``: the same greedy ids up to fused kernels' rounding, faster per token once
@@ -125,7 +127,8 @@ def generate(
             prompt_lookup_num_tokens, (min_matching_ngram_size, max_matching_ngram_size), compile, stats, bar,
         )  # fmt: skip
     out: list[list[int]] = [[] for _ in range(ids.shape[0])]
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    ended = [False] * ids.shape[0]
+    rows = list(range(ids.shape[0]))  # the rows the cache holds, in its order
     forwards = 0
     steps = progress(desc="generating", total=max_new_tokens, unit="token", leave=False) if bar else None
     with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), ids.shape[0]):
@@ -133,13 +136,20 @@ def generate(
             if steps is not None:
                 steps.update(1)
             nxt = sample_next(logits, temperature, top_k, top_p, generator)
-            for i, t in enumerate(nxt.tolist()):
-                if not done[i] and t != eos_id:
+            for i, t in zip(rows, nxt.tolist()):
+                if ended[i]:
+                    continue
+                if t == eos_id:
+                    ended[i] = True
+                else:
                     out[i].append(t)
-            if eos_id is not None:
-                done |= nxt == eos_id
-            if bool(done.all()) or step == max_new_tokens - 1:  # no forward for logits nobody reads
+            going = [j for j, i in enumerate(rows) if not ended[i]]
+            if not going or step == max_new_tokens - 1:  # no forward for logits nobody reads
                 break
+            if len(going) < len(rows) and not compile:  # rows that ended leave (a compiled graph keeps B)
+                keep = torch.tensor(going, device=ids.device)
+                cache.reorder(keep)
+                rows, nxt = [rows[j] for j in going], nxt[keep]
             pos = cache.valid.sum(dim=1, keepdim=True).unsqueeze(-1)  # each row continues from its length
             step_valid = torch.ones_like(nxt[:, None], dtype=torch.bool)
             logits = forward(nxt[:, None], tokenizer, head, cache=cache, valid=step_valid, positions=pos)[

@@ -68,6 +68,35 @@ def test_generation_stops_at_eos():
     assert generate(model, "text", "lm", ids, valid, max_new_tokens=5, eos_id=first) == [[]]
 
 
+def test_rows_that_end_leave_the_batch_and_the_others_decode_as_alone():
+    torch.manual_seed(0)  # an untied head: continuations that vary (the tied one repeats one id)
+    model = MultimodalModel(
+        {"text": TextEmbedding(40, 32)},
+        build_backbone(32, 2, AttentionConfig(4), positions=PositionConfig("rope"), causal=True),
+        {"lm": LMHead(32, 40)},
+    ).eval()
+    ids = torch.tensor([[0, 0, 3, 4, 5], [6, 7, 8, 9, 10], [0, 11, 12, 13, 14]])
+    valid = ids != 0
+    free = generate(model, "text", "lm", ids, valid, max_new_tokens=10)
+    # an eos that ends the first row early and not the second: the batch goes on without it
+    eos = next(t for t in free[0][1:] if t not in free[1])
+    rows = []  # the batch size of every forward
+    hook = model.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    try:
+        out = generate(model, "text", "lm", ids, valid, max_new_tokens=10, eos_id=eos)
+    finally:
+        hook.remove()
+    for row in range(3):
+        one = ids[row][valid[row]][None]
+        alone = generate(model, "text", "lm", one, torch.ones_like(one, dtype=torch.bool), 10, eos_id=eos)
+        assert out[row] == alone[0]
+    assert out[0] == free[0][: free[0].index(eos)] and len(out[0]) < 9
+    end = [len(r) if len(r) < 10 else 10 for r in out]  # the step that sampled eos (10: none did)
+    # after step s's id, a forward for the rows that have not ended (none after the last id)
+    assert rows == [sum(s < e for e in end) for s in range(min(max(end), 9))]
+    assert rows[0] > rows[-1] >= 1  # rows left during the call, one went on
+
+
 LM_RECIPE = """\
 name: tiny_lm
 model:
