@@ -3,6 +3,7 @@ ended rows leave the batch, against transformers' greedy ``generate``, which com
 longest one's end — on the real SmolLM2-135M-Instruct.
 
     python bench/batch_eos.py --threads 1            # 4 chat prompts, up to 128 new tokens, 3 rounds
+    python bench/batch_eos.py --prompt-lookup 10     # mmformer's side with prompt-lookup drafts
     python bench/batch_eos.py --quick                # 16 new tokens, 1 round: checks the script
 
 Both sides' ids are checked equal first. Ratios are transformers' time / mmformer's (> 1: mmformer
@@ -37,6 +38,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--pairs", type=int, default=3, help="timed rounds")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompt-lookup", type=int, default=None, help="mmformer's prompt_lookup_num_tokens")
     p.add_argument("--quick", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -48,7 +50,9 @@ def main() -> None:
     ids, valid = tok.pad_batch(chat, side="left")
 
     def mm():
-        return generate(ours, "text", "lm", ids, valid, new, eos_id=eos)
+        return generate(
+            ours, "text", "lm", ids, valid, new, eos_id=eos, prompt_lookup_num_tokens=a.prompt_lookup
+        )
 
     def hf():
         with torch.no_grad():
@@ -63,7 +67,8 @@ def main() -> None:
     lengths = [len(r) for r in got]
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), fp32, batch {len(PROMPTS)}, up to "
-        f"{new} new tokens; answers of {lengths} tokens; ids identical to transformers': {got == hf()}",
+        f"{new} new tokens, mmformer's prompt lookup {a.prompt_lookup}; answers of {lengths} tokens; "
+        f"ids identical to transformers': {got == hf()}",
         flush=True,
     )
     s = Settings(quick=a.quick, pairs=pairs, warmup=1, optimizer="-", block=2)

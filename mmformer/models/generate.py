@@ -194,7 +194,7 @@ def _with_prompt_lookup(
         with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), rows, ids.shape[0] == 1):
             return prompt_lookup_greedy(
                 verify, cache, logits, texts, max_new_tokens, eos_id, n_draft,
-                max_ngram=ngrams[1], min_ngram=ngrams[0], stats=stats, bar=steps,
+                max_ngram=ngrams[1], min_ngram=ngrams[0], stats=stats, bar=steps, drop_ended=not compile,
             )  # fmt: skip
     finally:
         if steps is not None:

@@ -147,15 +147,19 @@ def prompt_lookup_greedy(
     stats: dict | None = None,
     bar=None,
     cost: Callable[[int], float] | None = None,
+    drop_ended: bool = True,
 ) -> list[list[int]]:
     """Greedy decoding from the prompt's next-token ``logits (B, V)`` with prompt-lookup drafts; returns
     each row's new ids, up to and excluding ``eos``, as greedy decoding does.
 
-    ``verify(ids (B, 1 + K) long) → logits (B, 1 + K, V)`` runs the model over each row's last generated
-    token and its draft (padded to the longest, K), appending them to ``cache`` at positions that count
-    each row's real tokens (``cache.valid``); then the positions after the longest kept run are dropped
-    (``KVCache.truncate``) and, in a row that kept fewer, its rejected ones become padding
-    (``KVCache.pad_tail``), so every row advances by its own kept run. ``texts``: each row's real prompt
+    ``verify(ids (B', 1 + K) long) → logits (B', 1 + K, V)`` runs the model over the last generated token
+    and the draft (padded to the longest, K) of each of the B' rows the cache holds, appending them to
+    ``cache`` at positions that count each row's real tokens (``cache.valid``); then the positions after
+    the longest kept run are dropped (``KVCache.truncate``) and, in a row that kept fewer, its rejected
+    ones become padding (``KVCache.pad_tail``), so every row advances by its own kept run. A row that
+    ended (eos or ``max_new_tokens``) leaves the cache (``KVCache.reorder``), so the later forwards
+    compute only the rows still decoding; ``drop_ended=False`` keeps every row (a compiled step's graph
+    is built for its batch size). ``texts``: each row's real prompt
     ids (no padding), extended in place with what is generated — the drafts are looked up there.
     ``n_draft``: at most this many ids drafted per step (transformers' ``prompt_lookup_num_tokens``);
     ``max_ngram`` / ``min_ngram``: the longest and shortest n-gram matched (``draft``). ``cost(w)``: the
@@ -206,54 +210,66 @@ def prompt_lookup_greedy(
     for i, tok in enumerate(nxt):
         emit(i, tok)
     tell(0)
+    rows = list(range(B))  # the rows the cache holds, in its order
     while not all(done):
-        live = [i for i in range(B) if not done[i]]
+        alive = [not done[i] for i in rows]  # the rows this forward decodes for
+        live = [i for i in rows if not done[i]]
         # one forward yields at most K + 1 ids: a draft stays within what its row has left to generate
-        drafts = [[] for _ in range(B)]
-        for i in live:
-            room = min(n_draft, max_new_tokens - produced[i] - 1)
-            drafts[i] = draft(texts[i], room, max_ngram, min_ngram) if room > 0 else []
-            if drafts[i]:
-                pending[i].append((len(texts[i]), drafts[i]))
+        drafts: list[list[int]] = []
+        for i in rows:
+            room = 0 if done[i] else min(n_draft, max_new_tokens - produced[i] - 1)
+            drafts.append(draft(texts[i], room, max_ngram, min_ngram) if room > 0 else [])
+            if drafts[-1]:
+                pending[i].append((len(texts[i]), drafts[-1]))
         pooled = [r for i in live for r in runs[i]]
-        kept_if = [[expected(i, k, pooled) for k in range(1 + len(drafts[i]))] for i in live]
+        kept_if = [
+            [expected(i, k, pooled) for k in range(1 + len(d))] for i, d, a in zip(rows, drafts, alive) if a
+        ]
         # measured costs: a forward grows at most two positions past the widest one timed so far
         max_k = n_draft if measured is None else max(measured.times, default=1) + 1
         K = draft_length(kept_if, cost_of, max_k)
         drafts = [d[:K] for d in drafts]
-        chunk = torch.zeros(B, 1 + K, dtype=torch.long)
-        chunk[:, 0] = torch.tensor(nxt)
-        for i, d in enumerate(drafts):
+        chunk = torch.zeros(len(rows), 1 + K, dtype=torch.long)
+        chunk[:, 0] = torch.tensor([nxt[i] for i in rows])
+        for p, d in enumerate(drafts):
             if d:
-                chunk[i, 1 : 1 + len(d)] = torch.tensor(d)
+                chunk[p, 1 : 1 + len(d)] = torch.tensor(d)
         before = cache.length
         t0 = time.perf_counter()
-        pred = verify(chunk.to(logits.device)).argmax(dim=-1).cpu()  # (B, 1 + K): the choice after each id
+        pred = verify(chunk.to(logits.device)).argmax(dim=-1).cpu()  # (B', 1 + K): the choice after each id
         if measured is not None:
             measured.observe(1 + K, time.perf_counter() - t0)
         counts["forwards"] += 1
         # each row's kept run: its drafted ids equal to the model's choice before them
-        agree = (pred[:, :K] == chunk[:, 1:]).long().cumprod(dim=1).sum(dim=1).tolist() if K else [0] * B
-        kept = [min(a, len(d)) for a, d in zip(agree, drafts)]
+        agree = (
+            (pred[:, :K] == chunk[:, 1:]).long().cumprod(dim=1).sum(dim=1).tolist() if K else [0] * len(rows)
+        )
+        kept = [min(n, len(d)) for n, d in zip(agree, drafts)]
         counts["drafted"] += sum(map(len, drafts))
         counts["accepted"] += sum(kept)
-        longest = max(kept[i] for i in live)
+        longest = max(k for k, a in zip(kept, alive) if a)
         pred = pred.tolist()
         most = max(produced)
-        for i in live:
-            for j in range(kept[i] + 1):  # the kept drafts, then the model's next choice
-                emit(i, pred[i][j])
+        for p, i in enumerate(rows):
+            if not alive[p]:
+                continue
+            for j in range(kept[p] + 1):  # the kept drafts, then the model's next choice
+                emit(i, pred[p][j])
                 if done[i]:
                     break
-            nxt[i] = pred[i][kept[i]]
+            nxt[i] = pred[p][kept[p]]
             score(i)
         tell(most)
         if all(done):
             break
         cache.truncate(before + 1 + longest)  # each fed token and the longest kept run stay cached
-        if any(kept[i] != longest for i in live):
-            keep = [1 + (kept[i] if i in live else longest) for i in range(B)]
+        if any(k != longest for k, a in zip(kept, alive) if a):
+            keep = [1 + (k if a else longest) for k, a in zip(kept, alive)]
             cache.pad_tail(before, torch.tensor(keep, device=logits.device))
+        going = [p for p, i in enumerate(rows) if not done[i]]
+        if drop_ended and len(going) < len(rows):  # rows that ended leave the batch
+            cache.reorder(torch.tensor(going, device=logits.device))
+            rows = [rows[p] for p in going]
     if stats is not None:
         stats.update(counts)
     return out
