@@ -70,7 +70,9 @@ def generate(
     """Continue left-padded prompts ``ids, valid (B, N)``; returns each row's new ids (without the prompt,
     up to and excluding ``eos``). The prompt is prefilled in one forward, then one token per step; a row
     that samples ``eos`` leaves the batch (``KVCache.reorder``), so later steps compute only the rows still
-    decoding (a compiled step keeps every row: its graph is built for the batch size).
+    decoding (a compiled step keeps every row: its graph is built for the batch size). With sampling, a
+    ``generator`` draws for the rows still decoding, so a row's samples depend on when the others ended
+    (the same seed, batch and mode give the same text; eager and compiled steps may differ).
 
     ``compile``: run the blocks of the steps after the prompt as one compiled graph
     (``compiled_decoding``: the same greedy ids up to fused kernels' rounding, faster per token once

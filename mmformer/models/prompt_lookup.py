@@ -212,6 +212,10 @@ def prompt_lookup_greedy(
     tell(0)
     rows = list(range(B))  # the rows the cache holds, in its order
     while not all(done):
+        going = [p for p, i in enumerate(rows) if not done[i]]
+        if drop_ended and len(going) < len(rows):  # rows that ended leave the batch
+            cache.reorder(torch.tensor(going, device=logits.device))
+            rows = [rows[p] for p in going]
         alive = [not done[i] for i in rows]  # the rows this forward decodes for
         live = [i for i in rows if not done[i]]
         # one forward yields at most K + 1 ids: a draft stays within what its row has left to generate
@@ -266,10 +270,6 @@ def prompt_lookup_greedy(
         if any(k != longest for k, a in zip(kept, alive) if a):
             keep = [1 + (k if a else longest) for k, a in zip(kept, alive)]
             cache.pad_tail(before, torch.tensor(keep, device=logits.device))
-        going = [p for p, i in enumerate(rows) if not done[i]]
-        if drop_ended and len(going) < len(rows):  # rows that ended leave the batch
-            cache.reorder(torch.tensor(going, device=logits.device))
-            rows = [rows[p] for p in going]
     if stats is not None:
         stats.update(counts)
     return out

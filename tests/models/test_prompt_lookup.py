@@ -206,6 +206,16 @@ def test_rows_stop_at_eos_and_the_context_end_as_greedy_decoding():
     finally:
         hook.remove()
     assert rows[0] == 3 and rows[-1] < 3
+    first = plain[1][0]  # row 1 ends at its first id: no verification forward carries it
+    assert first not in (plain[0][0], plain[2][0])
+    rows.clear()
+    hook = model.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    try:
+        got = generate(model, "text", "lm", ids, valid, 30, eos_id=first, prompt_lookup_num_tokens=6)
+    finally:
+        hook.remove()
+    assert got == generate(model, "text", "lm", ids, valid, 30, eos_id=first) and got[1] == []
+    assert rows[0] == 2
     for new in (1, 2, 3):  # budgets shorter than a draft
         assert generate(model, "text", "lm", ids, valid, new, prompt_lookup_num_tokens=6) == [
             r[:new] for r in plain
