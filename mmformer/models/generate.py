@@ -133,7 +133,9 @@ def generate(
     rows = list(range(ids.shape[0]))  # the rows the cache holds, in its order
     forwards = 0
     steps = progress(desc="generating", total=max_new_tokens, unit="token", leave=False) if bar else None
-    with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), ids.shape[0]):
+    # rows that end leave the batch: the last one's steps take a row-major weight's one-row copy (nn.packed)
+    one_row = eos_id is not None and not compile
+    with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), ids.shape[0], one_row):
         for step in range(max_new_tokens):
             if steps is not None:
                 steps.update(1)
@@ -193,7 +195,8 @@ def _with_prompt_lookup(
     # one oneDNN-packed copy serves the one-token steps and the drafted chunks (nn.packed)
     rows = ids.shape[0] * (1 + n_draft)
     try:
-        with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), rows, ids.shape[0] == 1):
+        one_row = ids.shape[0] == 1 or (eos_id is not None and not compile)  # rows that end leave the batch
+        with packed_linears(_packed_modules(model, tokenizer, head, ids, compile), rows, one_row):
             return prompt_lookup_greedy(
                 verify, cache, logits, texts, max_new_tokens, eos_id, n_draft,
                 max_ngram=ngrams[1], min_ngram=ngrams[0], stats=stats, bar=steps, drop_ended=not compile,
