@@ -154,21 +154,21 @@ def prompt_lookup_greedy(
 
     ``verify(ids (B', 1 + K) long) → logits (B', 1 + K, V)`` runs the model over the last generated token
     and the draft (padded to the longest, K) of each of the B' rows the cache holds, appending them to
-    ``cache`` at positions that count each row's real tokens (``cache.valid``); then the positions after
-    the longest kept run are dropped (``KVCache.truncate``) and, in a row that kept fewer, its rejected
-    ones become padding (``KVCache.pad_tail``), so every row advances by its own kept run. A row that
-    ended (eos or ``max_new_tokens``) leaves the cache (``KVCache.reorder``), so the later forwards
-    compute only the rows still decoding; ``drop_ended=False`` keeps every row (a compiled step's graph
-    is built for its batch size). ``texts``: each row's real prompt
-    ids (no padding), extended in place with what is generated — the drafts are looked up there.
-    ``n_draft``: at most this many ids drafted per step (transformers' ``prompt_lookup_num_tokens``);
-    ``max_ngram`` / ``min_ngram``: the longest and shortest n-gram matched (``draft``). ``cost(w)``: the
-    seconds of a verification over ``w`` positions per row, which with each row's kept runs chooses the
-    draft length (module docstring); ``None`` measures this call's forwards (``ForwardCost``). ``bar``:
-    a progress bar (``update(n)``) told of the longest row's new ids. ``stats``, when given, is filled
-    with ``forwards`` (passes after the prompt), ``drafted`` and ``accepted`` (draft ids verified and
-    kept, summed over rows). No forward runs for logits nobody reads, and a row's draft never reaches
-    past its ``max_new_tokens``. ``max_new_tokens`` must be >= 1 (the caller checks)."""
+    ``cache`` at positions that count each row's real tokens (``cache.valid``); then the positions after the
+    longest kept run are dropped (``KVCache.truncate``) and, in a row that kept fewer, its rejected ones
+    become padding (``KVCache.pad_tail``), so every row advances by its own kept run. A row that ended (eos
+    or ``max_new_tokens``) leaves the cache (``KVCache.reorder``), so the later forwards compute only the
+    rows still decoding (their forward costs timed anew); ``drop_ended=False`` keeps every row (a compiled
+    step's graph is built for its batch size). ``texts``: each row's real prompt ids (no padding), extended
+    in place with what is generated — the drafts are looked up there. ``n_draft``: at most this many ids
+    drafted per step (transformers' ``prompt_lookup_num_tokens``); ``max_ngram`` / ``min_ngram``: the
+    longest and shortest n-gram matched (``draft``). ``cost(w)``: the seconds of a verification over ``w``
+    positions per row, which with each row's kept runs chooses the draft length (module docstring); ``None``
+    measures this call's forwards (``ForwardCost``). ``bar``: a progress bar (``update(n)``) told of the
+    longest row's new ids. ``stats``, when given, is filled with ``forwards`` (passes after the prompt),
+    ``drafted`` and ``accepted`` (draft ids verified and kept, summed over rows). No forward runs for logits
+    nobody reads, and a row's draft never reaches past its ``max_new_tokens``. ``max_new_tokens`` must be >=
+    1 (the caller checks)."""
     B = logits.shape[0]
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -216,6 +216,8 @@ def prompt_lookup_greedy(
         if drop_ended and len(going) < len(rows):  # rows that ended leave the batch
             cache.reorder(torch.tensor(going, device=logits.device))
             rows = [rows[p] for p in going]
+            if measured is not None:  # a forward over fewer rows costs what it costs: timed anew
+                measured = cost_of = ForwardCost()
         alive = [not done[i] for i in rows]  # the rows this forward decodes for
         live = [i for i in rows if not done[i]]
         # one forward yields at most K + 1 ids: a draft stays within what its row has left to generate
