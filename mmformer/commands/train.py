@@ -6,12 +6,14 @@ import os
 import signal
 
 import lightning as L
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..build import BuildContext, build_datamodule, build_module, build_trainer
 from ..recipe import load_recipe, recipe_to_yaml
 from ..recipe.defaults import non_defaults_yaml
 from ..training.callbacks import LastValidationStep
+from ..training.cpu_bf16 import bf16_hint
 from ..training.loggers import check_loggers, finish_loggers, wandb_run_url, wandb_sync_command
 from ..training.preemption import Preempted
 from ..training.runs import describe_resume, exported, open_run
@@ -89,6 +91,9 @@ def _fit(recipe, run, extra_callbacks, verbose: bool):
         trainer = build_trainer(recipe, run, module, extra_callbacks=[tracker, *extra_callbacks])
         if verbose:
             _say(_threads_line(recipe, trainer))
+            on = "cpu" if isinstance(trainer.accelerator, CPUAccelerator) else "accelerator"
+            if hint := bf16_hint(recipe.trainer.precision, on):
+                _say(hint)
         if verbose and (url := wandb_run_url(trainer.loggers)):
             _say(f"W&B run: {url}")
         if run.resume_from is not None and verbose:
