@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from peers import Settings, paired_multi, smollm2  # noqa: E402
+from prompt_lookup import chat_ids, hf_generate  # noqa: E402
 
 from mmformer.models.generate import generate  # noqa: E402
 
@@ -46,8 +47,7 @@ def main() -> None:
     m = smollm2()
     ours, ref, tok = m["ours"].eval(), m["ref"].eval(), m["tokenizer"]
     eos = tok.eos_id
-    chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in PROMPTS]
-    ids, valid = tok.pad_batch(chat, side="left")
+    ids, valid = tok.pad_batch([chat_ids(tok, q) for q in PROMPTS], side="left")
 
     def mm():
         return generate(
@@ -55,13 +55,7 @@ def main() -> None:
         )
 
     def hf():
-        with torch.no_grad():
-            out = ref.generate(
-                input_ids=ids.masked_fill(~valid, eos), attention_mask=valid.long(), max_new_tokens=new,
-                do_sample=False, eos_token_id=eos, pad_token_id=eos,
-            )  # fmt: skip
-        rows = out[:, ids.shape[1] :].tolist()
-        return [r[: r.index(eos)] if eos in r else r for r in rows]
+        return hf_generate(ref, ids, valid, new, eos)
 
     got = mm()
     lengths = [len(r) for r in got]

@@ -71,6 +71,22 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def chat_ids(tok, text: str) -> list[int]:
+    """``text`` as one user turn of the tokenizer's chat template, encoded."""
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def hf_generate(ref, ids, valid, new: int, eos: int, **kwargs) -> list[list[int]]:
+    """transformers' greedy ``generate`` of left-padded ``ids, valid``: each row's new ids before eos."""
+    with torch.no_grad():
+        out = ref.generate(
+            input_ids=ids.masked_fill(~valid, eos), attention_mask=valid.long(), max_new_tokens=new,
+            do_sample=False, eos_token_id=eos, pad_token_id=eos, **kwargs,
+        )  # fmt: skip
+    rows = out[:, ids.shape[1] :].tolist()
+    return [r[: r.index(eos)] if eos in r else r for r in rows]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(WORKLOADS), help=f"comma-separated of {', '.join(WORKLOADS)}")
@@ -91,9 +107,6 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), fp32, up to {new} new tokens, greedy"
     )
 
-    def chat(text: str) -> list[int]:
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-
     def mm(ids, valid, lookup: int | None, stats=None):
         return generate(
             ours, "text", "lm", ids, valid, new, eos_id=eos, prompt_lookup_num_tokens=lookup, stats=stats
@@ -101,17 +114,11 @@ def main() -> None:
 
     def hf(ids, valid, lookup: int | None):
         kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-        with torch.no_grad():
-            out = ref.generate(
-                input_ids=ids.masked_fill(~valid, eos), attention_mask=valid.long(), max_new_tokens=new,
-                do_sample=False, eos_token_id=eos, pad_token_id=eos, **kwargs,
-            )  # fmt: skip
-        rows = out[:, ids.shape[1] :].tolist()
-        return [r[: r.index(eos)] if eos in r else r for r in rows]
+        return hf_generate(ref, ids, valid, new, eos, **kwargs)
 
     rows = []
     for name in a.only.split(","):
-        ids = torch.tensor([chat(WORKLOADS[name])])
+        ids = torch.tensor([chat_ids(tok, WORKLOADS[name])])
         valid = torch.ones_like(ids, dtype=torch.bool)
         stats: dict = {}
         want = mm(ids, valid, None)
@@ -141,7 +148,7 @@ def main() -> None:
         rows.append((name, 1, n_new, stats, results))
 
     if not a.no_batch and not a.quick:
-        seqs = [chat(WORKLOADS[n]) for n in COPYING]
+        seqs = [chat_ids(tok, WORKLOADS[n]) for n in COPYING]
         ids, valid = tok.pad_batch(seqs, side="left")
         stats = {}
         want = mm(ids, valid, None)

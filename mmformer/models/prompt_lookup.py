@@ -81,23 +81,27 @@ class ForwardCost:
 
     def __init__(self) -> None:
         self.seen: dict[int, int] = {}
-        self.times: dict[int, list[float]] = {}
+        self.times: dict[int, deque[float]] = {}
+        self._line = (1.0, 1.0, 0.0)  # (mean width, mean seconds, slope): refit when a time is observed
 
     def observe(self, width: int, seconds: float) -> None:
         self.seen[width] = self.seen.get(width, 0) + 1
         if self.seen[width] > 1:
-            last = self.times.setdefault(width, [])
-            last.append(seconds)
-            del last[:-5]
+            self.times.setdefault(width, deque(maxlen=5)).append(seconds)
+            self._line = self._fit()
 
-    def __call__(self, width: int) -> float:
+    def _fit(self) -> tuple[float, float, float]:
         known = {w: statistics.median(t) for w, t in self.times.items()}
         if len(known) < 2:
-            return max(min(known.values(), default=1.0), 1e-9)
+            return (1.0, min(known.values()), 0.0)
         mean_w = sum(known) / len(known)
         mean_t = sum(known.values()) / len(known)
         spread = sum((w - mean_w) ** 2 for w in known)
         slope = max(0.0, sum((w - mean_w) * (t - mean_t) for w, t in known.items()) / spread)
+        return (mean_w, mean_t, slope)
+
+    def __call__(self, width: int) -> float:
+        mean_w, mean_t, slope = self._line
         return max(mean_t + slope * (width - mean_w), 1e-9)
 
 
@@ -219,7 +223,7 @@ def prompt_lookup_greedy(
             if measured is not None:  # a forward over fewer rows costs what it costs: timed anew
                 measured = cost_of = ForwardCost()
         alive = [not done[i] for i in rows]  # the rows this forward decodes for
-        live = [i for i in rows if not done[i]]
+        live = [i for i, a in zip(rows, alive) if a]
         # one forward yields at most K + 1 ids: a draft stays within what its row has left to generate
         drafts: list[list[int]] = []
         for i in rows:
