@@ -40,6 +40,13 @@ specialized with it (turning duck sizing off trips an assertion in torch 2.14's 
 buffers). In ``cached`` mode weights are read at every call, so training between generations, loading
 other weights or decoding another model of the same architecture never runs stale values (a change of
 strides or dtypes recompiles). A reversible backbone (``block.reversible``) decodes eagerly.
+
+A compile that fails inside torch (dynamo, inductor) does not end the generation: torch's own fallback
+(``torch._dynamo.config.suppress_errors``, set while a step runs) logs the error as a warning and runs the
+compiled function eagerly from then on in the process — the same ids, at eager speed. torch 2.14 failed
+now and then (~1 call in 40 under load) while building the shape guards of a recompile (``sources must
+not be empty for symbol s…``) in prompt lookup, whose verification width then followed the timed draft
+lengths; it now verifies at two widths only (``prompt_lookup_greedy(fixed_width=True)``).
 """
 
 from __future__ import annotations
@@ -107,12 +114,13 @@ def clear() -> None:
 def _with_compiled_blocks(model: nn.Module, backbone: nn.Module, blocks: Callable) -> Callable:
     """``model``'s forward with ``backbone.compiled_blocks`` set to ``blocks`` for the duration of the call
     (``Backbone.forward`` runs it in place of ``run_blocks``), module floats specialized while it compiles
-    (dynamo reads its config then, which ``torch.compile``'s arguments do not reach)."""
+    (dynamo reads its config then, which ``torch.compile``'s arguments do not reach) and compile errors
+    falling back to eager (module docstring)."""
 
     def step(*args, **kwargs):
         backbone.compiled_blocks = blocks
         try:
-            with torch._dynamo.config.patch(specialize_float=True):
+            with torch._dynamo.config.patch(specialize_float=True, suppress_errors=True):
                 return model(*args, **kwargs)
         finally:
             backbone.compiled_blocks = None
@@ -122,10 +130,11 @@ def _with_compiled_blocks(model: nn.Module, backbone: nn.Module, blocks: Callabl
 
 def _frozen(compiled: Callable) -> Callable:
     """``compiled`` run with inductor's ``freezing`` on: it is read from the global config while a graph
-    compiles (at the first call, and at recompiles), which ``torch.compile(options=...)`` does not reach."""
+    compiles (at the first call, and at recompiles), which ``torch.compile(options=...)`` does not reach;
+    compile errors falling back to eager (module docstring)."""
 
     def step(*args, **kwargs):
-        with inductor_config.patch(freezing=True):
+        with inductor_config.patch(freezing=True), torch._dynamo.config.patch(suppress_errors=True):
             return compiled(*args, **kwargs)
 
     return step

@@ -200,6 +200,7 @@ def _with_prompt_lookup(
             return prompt_lookup_greedy(
                 verify, cache, logits, texts, max_new_tokens, eos_id, n_draft,
                 max_ngram=ngrams[1], min_ngram=ngrams[0], stats=stats, bar=steps, drop_ended=not compile,
+                fixed_width=bool(compile),
             )  # fmt: skip
     finally:
         if steps is not None:

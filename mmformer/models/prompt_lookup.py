@@ -152,27 +152,31 @@ def prompt_lookup_greedy(
     bar=None,
     cost: Callable[[int], float] | None = None,
     drop_ended: bool = True,
+    fixed_width: bool = False,
 ) -> list[list[int]]:
     """Greedy decoding from the prompt's next-token ``logits (B, V)`` with prompt-lookup drafts; returns
     each row's new ids, up to and excluding ``eos``, as greedy decoding does.
 
-    ``verify(ids (B', 1 + K) long) → logits (B', 1 + K, V)`` runs the model over the last generated token
-    and the draft (padded to the longest, K) of each of the B' rows the cache holds, appending them to
-    ``cache`` at positions that count each row's real tokens (``cache.valid``); then the positions after the
-    longest kept run are dropped (``KVCache.truncate``) and, in a row that kept fewer, its rejected ones
-    become padding (``KVCache.pad_tail``), so every row advances by its own kept run. A row that ended (eos
-    or ``max_new_tokens``) leaves the cache (``KVCache.reorder``), so the later forwards compute only the
-    rows still decoding (their forward costs timed anew); ``drop_ended=False`` keeps every row (a compiled
-    step's graph is built for its batch size). ``texts``: each row's real prompt ids (no padding), extended
-    in place with what is generated — the drafts are looked up there. ``n_draft``: at most this many ids
-    drafted per step (transformers' ``prompt_lookup_num_tokens``); ``max_ngram`` / ``min_ngram``: the
-    longest and shortest n-gram matched (``draft``). ``cost(w)``: the seconds of a verification over ``w``
-    positions per row, which with each row's kept runs chooses the draft length (module docstring); ``None``
-    measures this call's forwards (``ForwardCost``). ``bar``: a progress bar (``update(n)``) told of the
-    longest row's new ids. ``stats``, when given, is filled with ``forwards`` (passes after the prompt),
-    ``drafted`` and ``accepted`` (draft ids verified and kept, summed over rows). No forward runs for logits
-    nobody reads, and a row's draft never reaches past its ``max_new_tokens``. ``max_new_tokens`` must be >=
-    1 (the caller checks)."""
+    ``verify(ids (B', W) long) → logits (B', W, V)`` runs the model over the last generated token and the
+    draft (padded to the longest, K; W = 1 + K, or ``1 + n_draft`` with ``fixed_width``) of each of the B'
+    rows the cache holds, appending them to ``cache`` at positions that count each row's real tokens
+    (``cache.valid``); then the positions after the longest kept run are dropped (``KVCache.truncate``) and,
+    in a row that kept fewer, its rejected ones become padding (``KVCache.pad_tail``), so every row advances
+    by its own kept run. A row that ended (eos or ``max_new_tokens``) leaves the cache (``KVCache.reorder``),
+    so the later forwards compute only the rows still decoding (their forward costs timed anew);
+    ``drop_ended=False`` keeps every row (a compiled step's graph is built for its batch size).
+    ``fixed_width``: every forward with a draft verifies ``1 + n_draft`` positions per row (the drafts padded
+    with ids never kept), so a compiled step sees two widths, 1 and ``1 + n_draft``, whatever lengths the
+    costs choose (a compiled graph is traced anew for new widths, and torch 2.14 failed now and then building
+    such a recompile's guards). ``texts``: each row's real prompt ids (no padding), extended in place with
+    what is generated — the drafts are looked up there. ``n_draft``: at most this many ids drafted per step
+    (transformers' ``prompt_lookup_num_tokens``); ``max_ngram`` / ``min_ngram``: the longest and shortest
+    n-gram matched (``draft``). ``cost(w)``: the seconds of a verification over ``w`` positions per row, which
+    with each row's kept runs chooses the draft length (module docstring); ``None`` measures this call's
+    forwards (``ForwardCost``). ``bar``: a progress bar (``update(n)``) told of the longest row's new ids.
+    ``stats``, when given, is filled with ``forwards`` (passes after the prompt), ``drafted`` and ``accepted``
+    (draft ids verified and kept, summed over rows). No forward runs for logits nobody reads, and a row's
+    draft never reaches past its ``max_new_tokens``. ``max_new_tokens`` must be >= 1 (the caller checks)."""
     B = logits.shape[0]
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -235,11 +239,14 @@ def prompt_lookup_greedy(
         kept_if = [
             [expected(i, k, pooled) for k in range(1 + len(d))] for i, d, a in zip(rows, drafts, alive) if a
         ]
-        # measured costs: a forward grows at most two positions past the widest one timed so far
-        max_k = n_draft if measured is None else max(measured.times, default=1) + 1
-        K = draft_length(kept_if, cost_of, max_k)
+        if fixed_width:  # a draft of any length costs a forward over 1 + n_draft positions
+            K = draft_length(kept_if, lambda w, c=cost_of: c(1 if w == 1 else 1 + n_draft), n_draft)
+        else:  # measured costs: a forward grows at most two positions past the widest one timed so far
+            max_k = n_draft if measured is None else max(measured.times, default=1) + 1
+            K = draft_length(kept_if, cost_of, max_k)
         drafts = [d[:K] for d in drafts]
-        chunk = torch.zeros(len(rows), 1 + K, dtype=torch.long)
+        width = 1 + (n_draft if fixed_width and K else K)
+        chunk = torch.zeros(len(rows), width, dtype=torch.long)
         chunk[:, 0] = torch.tensor([nxt[i] for i in rows])
         for p, d in enumerate(drafts):
             if d:
@@ -248,11 +255,13 @@ def prompt_lookup_greedy(
         t0 = time.perf_counter()
         pred = verify(chunk.to(logits.device)).argmax(dim=-1).cpu()  # (B', 1 + K): the choice after each id
         if measured is not None:
-            measured.observe(1 + K, time.perf_counter() - t0)
+            measured.observe(width, time.perf_counter() - t0)
         counts["forwards"] += 1
         # each row's kept run: its drafted ids equal to the model's choice before them
         agree = (
-            (pred[:, :K] == chunk[:, 1:]).long().cumprod(dim=1).sum(dim=1).tolist() if K else [0] * len(rows)
+            (pred[:, :K] == chunk[:, 1 : 1 + K]).long().cumprod(dim=1).sum(dim=1).tolist()
+            if K
+            else [0] * len(rows)
         )
         kept = [min(n, len(d)) for n, d in zip(agree, drafts)]
         counts["drafted"] += sum(map(len, drafts))

@@ -93,6 +93,28 @@ def test_compiled_blocks_verify_prompt_lookup_drafts():
         compiled_decoding.clear()
 
 
+@pytest.mark.slow
+def test_a_compile_that_fails_inside_torch_decodes_eagerly_with_the_same_ids(monkeypatch, capfd):
+    """torch 2.14 failed now and then while building a recompile's shape guards; that function raises
+    its error here at every compile: the generation goes on eagerly (torch's ``suppress_errors``
+    fallback), says why, and gives the eager ids. (``frozen`` mode sets the same fallback.)"""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def failing(self, *args, **kwargs):
+        raise AssertionError("sources must not be empty for symbol s31")
+
+    model = tiny_llama().eval()
+    ids, valid = _prompts()
+    want = generate(model, "text", "lm", ids, valid, 8)
+    monkeypatch.setattr(ShapeEnv, "produce_guards_verbose", failing)
+    try:
+        assert generate(model, "text", "lm", ids, valid, 8, compile=True) == want
+        assert generate(model, "text", "lm", ids, valid, 8, compile=True, prompt_lookup_num_tokens=3) == want
+    finally:
+        compiled_decoding.clear()
+    assert "sources must not be empty for symbol s31" in capfd.readouterr().err
+
+
 _LOAD_TWICE = textwrap.dedent(
     """
     import json, os, torch

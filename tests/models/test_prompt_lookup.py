@@ -4,10 +4,13 @@ rejected drafts included; the draft length is the one at which the slowest row a
 forward costs learned from the call and kept runs scored against what was generated; bad arguments are
 refused."""
 
+import random
+
 import pytest
 import torch
 
 from mmformer.models import AttentionConfig, PositionConfig, build_backbone, prompt_lookup
+from mmformer.models import generate as generate_module
 from mmformer.models.generate import generate
 from mmformer.models.heads import LMHead
 from mmformer.models.model import MultimodalModel
@@ -118,6 +121,34 @@ def test_the_timed_draft_length_gives_the_greedy_ids(seed):
             alone = generate(model, "text", "lm", one, torch.ones_like(one, dtype=torch.bool), 40,
                              prompt_lookup_num_tokens=n_draft)  # fmt: skip
             assert alone == [want[row]]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_a_fixed_width_verifies_any_draft_length_over_one_plus_n_draft_positions(seed, monkeypatch):
+    """What a compiled step runs (``generate(compile=True)`` sets ``fixed_width``): whatever draft lengths
+    are chosen (random here), every forward is over 1 or 1 + n_draft positions, and the ids are greedy's."""
+    rng = random.Random(seed)
+    widths = set()
+    real = generate_module.prompt_lookup_greedy
+
+    def fixed(verify, *args, **kwargs):
+        def recorded(chunk):
+            widths.add(chunk.shape[1])
+            return verify(chunk)
+
+        return real(recorded, *args, **{**kwargs, "fixed_width": True})
+
+    monkeypatch.setattr(generate_module, "prompt_lookup_greedy", fixed)
+    monkeypatch.setattr(
+        prompt_lookup, "draft_length", lambda kept_if, cost, max_k: rng.randint(0, max(map(len, kept_if)) - 1)
+    )
+    model = _lm(seed)
+    ids, valid = _prompts(seed)
+    want = generate(model, "text", "lm", ids, valid, 40)
+    stats: dict = {}
+    assert generate(model, "text", "lm", ids, valid, 40, stats=stats, prompt_lookup_num_tokens=6) == want
+    assert widths == {1, 7}
+    assert 0 < stats["accepted"] < stats["drafted"]
 
 
 class _LinearCost(ForwardCost):
