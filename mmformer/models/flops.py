@@ -30,7 +30,8 @@ class FlopMeter:
       convolutions per token (the adaLN modulation per sequence; cross-attention keys/values per
       context token) plus attention
       ``4 · B · H · N · N_k · head_dim`` (scores and the weighted sum, full ``N × N_k`` as the kernels
-      compute it, causal or not; ``N_k = N`` plus cached tokens);
+      compute it, causal or not; ``N_k = N`` plus cached tokens); a last block that computed only the
+      rows a head reads (``Backbone.rows_computed``) is counted for those rows past its keys and values;
     - every other ``nn.Linear`` and convolution (tokenizers, heads, towers' outside) from its input shape.
 
     A training step costs ``3 ×`` the forward (backward = 2 × forward for matmuls; Kaplan et al. 2020,
@@ -40,9 +41,11 @@ class FlopMeter:
     def __init__(self, model: nn.Module):
         self.flops = 0
         self._hooks = []
+        self._pending: dict[int, tuple[int, int, int, int]] = {}  # backbone id → (B, N, N_k, N_ctx)
         inside = set()
         for bb in (m for m in model.modules() if isinstance(m, Backbone)):
-            self._hooks.append(bb.register_forward_pre_hook(self._backbone, with_kwargs=True))
+            self._hooks.append(bb.register_forward_pre_hook(self._backbone_starts, with_kwargs=True))
+            self._hooks.append(bb.register_forward_hook(self._backbone_ends))
             for block in bb.blocks:
                 inside.update(id(m) for m in block.modules())
         for m in model.modules():
@@ -67,29 +70,44 @@ class FlopMeter:
                 k *= size
             self.flops += 2 * output.numel() * k
 
-    def _backbone(self, backbone: Backbone, args, kwargs) -> None:
+    def _backbone_starts(self, backbone: Backbone, args, kwargs) -> None:
         tokens = args[0] if args else kwargs["tokens"]
         B, N = tokens.x.shape[:2]
         cache, context = kwargs.get("cache"), kwargs.get("context")
         n_k = N + (cache.length if cache is not None and hasattr(cache, "length") else 0)
         n_ctx = context.x.shape[1] if context is not None else 0
-        for block in backbone.blocks:
-            for name, m in block.named_modules():
-                if isinstance(m, nn.Conv1d):  # a conformer's convolutions run along the N tokens
-                    k = m.in_channels // m.groups * m.kernel_size[0]
-                    self.flops += 2 * B * N * m.out_channels * k
-                if not isinstance(m, nn.Linear):
-                    continue
-                if "adaLN" in name:
-                    self.flops += _linear_flops(m, B)
-                elif name.endswith("kv") and "cross" in name:
-                    self.flops += _linear_flops(m, B * n_ctx)
-                else:
-                    self.flops += _linear_flops(m, B * N)
-            for name, m in block.named_modules():
-                if isinstance(m, Attention):
-                    keys = n_ctx if "cross" in name else n_k
-                    self.flops += 4 * B * m.n_heads * N * keys * m.head_dim
+        self._pending[id(backbone)] = (B, N, n_k, n_ctx)  # the cache grows during the forward
+
+    def _backbone_ends(self, backbone: Backbone, args, output) -> None:
+        B, N, n_k, n_ctx = self._pending.pop(id(backbone))
+        rows = backbone.rows_computed  # the rows the last block computed alone (a class token), if any
+        last = len(backbone.blocks) - 1
+        for i, block in enumerate(backbone.blocks):
+            n_rows = len(range(N)[rows]) if rows is not None and i == last else N
+            self.flops += _block_flops(block, B, N, n_rows, n_k, n_ctx)
+
+
+def _block_flops(block: nn.Module, B: int, N: int, n_rows: int, n_k: int, n_ctx: int) -> int:
+    """One block over ``N`` tokens of which ``n_rows`` are computed past the self-attention's keys and
+    values (``Backbone.forward(rows=…)``; else ``N``), against ``n_k`` keys and ``n_ctx`` context tokens."""
+    flops = 0
+    for name, m in block.named_modules():
+        if isinstance(m, nn.Conv1d):  # a conformer's convolutions run along the N tokens
+            flops += 2 * B * N * m.out_channels * (m.in_channels // m.groups * m.kernel_size[0])
+        elif isinstance(m, Attention):
+            keys = n_ctx if "cross" in name else n_k
+            flops += 4 * B * m.n_heads * n_rows * keys * m.head_dim
+        elif not isinstance(m, nn.Linear):
+            continue
+        elif "adaLN" in name:
+            flops += _linear_flops(m, B)
+        elif name.endswith("kv") and "cross" in name:
+            flops += _linear_flops(m, B * n_ctx)
+        elif name.endswith("qkv"):  # keys and values of every token (queries too: one fused product)
+            flops += _linear_flops(m, B * N)
+        else:
+            flops += _linear_flops(m, B * n_rows)
+    return flops
 
 
 def analytic_flops(model: MultimodalModel, inputs: Tensor, tokenizer: str, head: str) -> int:

@@ -30,6 +30,8 @@ class ClassifierHead(nn.Module):
         norm_eps: LayerNorm epsilon of ``fc_norm``.
 
     ``forward(hidden (B, N, D), tokens) → logits (B, K)`` float (``(B, D)`` features for ``K = 0``).
+    ``reads``: ``slice(0, 1)`` for ``pool="cls"`` (the rows the head reads: ``MultimodalModel.forward``
+    then hands it ``hidden (B, 1, D)``, and the backbone's last block computes that row only), else None.
     Raises ``ValueError`` for ``pool="cls"`` when the tokenizer has no prefix token, or ``num_classes < 0``.
     """
 
@@ -56,6 +58,10 @@ class ClassifierHead(nn.Module):
         self.head_drop = nn.Dropout(drop)
         self.head = nn.Linear(d_model, num_classes) if num_classes else nn.Identity()
         self.init_weights()
+
+    @property
+    def reads(self) -> slice | None:
+        return slice(0, 1) if self.pool == "cls" else None
 
     def init_weights(self) -> None:
         """Zero-init projection so every class starts equally likely (timm ``init_weights(mode="jax")``)."""
@@ -86,7 +92,8 @@ class ProjectionHead(nn.Module):
         norm: LayerNorm before the projection (CLIP's ``ln_post``; off when the backbone ends in a norm).
 
     ``forward(hidden (B, N, D), tokens) → (B, E)`` in the hidden dtype, not normalised (the objective
-    normalises). Raises ``ValueError`` for an unknown ``pool``.
+    normalises). ``reads``: ``slice(0, 1)`` for ``pool="cls"`` (as ``ClassifierHead.reads``), else None.
+    Raises ``ValueError`` for an unknown ``pool``.
     """
 
     POOLS = ("cls", "mean", "last")
@@ -103,6 +110,10 @@ class ProjectionHead(nn.Module):
         self.norm = nn.LayerNorm(d_model, eps=1e-6) if norm else nn.Identity()
         self.proj = nn.Linear(d_model, embed_dim, bias=False)
         nn.init.normal_(self.proj.weight, std=d_model**-0.5)  # CLIP: width ** -0.5
+
+    @property
+    def reads(self) -> slice | None:
+        return slice(0, 1) if self.pool == "cls" else None
 
     def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
         if self.pool == "cls":

@@ -79,7 +79,7 @@ class MultimodalModel(nn.Module):
         return hidden, tokens
 
     def _run(
-        self, tokenizer: str, inputs: Tensor, cache, kwargs: dict
+        self, tokenizer: str, inputs: Tensor, cache, kwargs: dict, rows: slice | None = None
     ) -> tuple[Tensor, Tokens, Tensor | None]:
         if tokenizer not in self.tokenizers:
             raise KeyError(f"no tokenizer {tokenizer!r}; model has {list(self.tokenizers)}")
@@ -90,15 +90,20 @@ class MultimodalModel(nn.Module):
         tokens = self.tokenizers[tokenizer](inputs, **kwargs)
         cond = tokens.cond if isinstance(tokens, ConditionedTokens) else None  # DiT: (B, Dc)
         hidden = self.backbone_of(tokenizer)(
-            tokens, cache=cache, **({"cond": cond} if cond is not None else {})
+            tokens, cache=cache, rows=rows, **({"cond": cond} if cond is not None else {})
         )
         return hidden, tokens, cond
 
     def forward(self, inputs: Tensor, tokenizer: str, head: str, cache=None, **tokenizer_kwargs) -> Tensor:
         """``heads[head](backbone(tokenizers[tokenizer](inputs)))``. A conditioning tokenizer (DiT) returns
         ``ConditionedTokens``: their ``cond (B, Dc)`` then reaches the backbone's adaLN blocks and the head.
-        ``cache``, ``valid`` and positions, and what is raised: as ``encode``."""
-        hidden, tokens, cond = self._run(tokenizer, inputs, cache, tokenizer_kwargs)
+        ``cache``, ``valid`` and positions, and what is raised: as ``encode``.
+
+        A head whose ``reads`` is a slice of the token axis (``ClassifierHead(pool="cls")``: the class
+        token) gets only those rows, ``hidden (B, len(reads), D)``, and the backbone computes only them in
+        its last block where it can (``Backbone.forward(rows=…)``); without a cache only."""
+        rows = getattr(self.heads[head], "reads", None) if cache is None else None
+        hidden, tokens, cond = self._run(tokenizer, inputs, cache, tokenizer_kwargs, rows)
         if cond is not None:
             return self.heads[head](hidden, tokens, cond)
         return self.heads[head](hidden, tokens)

@@ -124,6 +124,12 @@ class AttentionInputs:
             ctx = _kernel_mask(self.context_mask, None, context_kernels, n_q, n_context, batch_size, device)
         return replace(self, kernel_mask=own, context_kernel_mask=ctx)
 
+    def rows_attend_alike(self) -> bool:
+        """Every query row reads the same keys with the same scores' rule (at most padding hidden, no
+        causality, documents, window, block sparsity or score bias): a subset of the query rows can be
+        attended alone (``Attention.forward(rows=…)``)."""
+        return self.mask.same_for_every_query and self.alibi_slopes is None and self.rel_table is None
+
     def for_context(self) -> AttentionInputs:
         """The inputs of cross-attention: the context's mask, no causality, RoPE or ALiBi across sequences."""
         return AttentionInputs(mask=self.context_mask, kernel_mask=self.context_kernel_mask)
@@ -348,6 +354,7 @@ class Attention(nn.Module):
         context: Tensor | None = None,
         cache: KVCache | None = None,
         layer: int = 0,
+        rows: slice | None = None,
     ) -> Tensor:
         """``x (B, Nq, D)`` → ``(B, Nq, D)``.
 
@@ -357,18 +364,28 @@ class Attention(nn.Module):
         ``cache``: self-attention appends this forward's keys/values to ``layer``'s cache and attends
         over all of them; cross-attention projects ``context`` once, at the first call for ``layer``,
         and reuses those keys/values afterwards (``cache.cross``; the context must not change).
+        ``rows``: only these query rows' outputs, ``(B, len(rows), D)``, equal to ``forward(x)[:, rows]``:
+        keys and values still come from every row of ``x`` (a classifier reading its class token needs
+        the last layer's attention for that row only; ``Backbone.forward(rows=…)``).
+
+        Raises ``ValueError`` for ``rows`` with cross-attention, a cache, a kernel other than sdpa / eager,
+        or a mask or score bias that differs between query rows (``AttentionInputs.rows_attend_alike``).
         """
         if inputs is None or isinstance(inputs, MaskSpec):  # a bare mask is enough for most uses
             inputs = AttentionInputs(mask=inputs or MaskSpec())
+        if rows is not None:
+            self._check_rows(x, inputs, context, cache)
         if self.cross:
             if context is None:
                 raise ValueError("cross-attention needs a context")
             inputs = inputs.for_context()  # no causality, RoPE or ALiBi across sequences
-        B, Nq, _ = x.shape
         q, k, v = self._project(x, context, cache, layer)
         if inputs.rope is not None and not self.cross:
             cos, sin = inputs.rope
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        if rows is not None:
+            q = q[:, :, rows]  # (B, H, len(rows), Dh), rotated at their own positions
+        B, Nq = x.shape[0], q.shape[2]
         cached = cache is not None
         if cached and self.cross:
             if layer not in cache.cross:  # first step: zero the context's padding once, then keep them
@@ -383,6 +400,20 @@ class Attention(nn.Module):
         out = self._attend(q, k, v, inputs, padding_zeroed=cached)  # (B, H, Nq, Dh)
         out = out.transpose(1, 2).reshape(B, Nq, self.n_heads * self.head_dim)
         return self.proj_drop(self.proj(out))
+
+    def _check_rows(
+        self, x: Tensor, inputs: AttentionInputs, context: Tensor | None, cache: KVCache | None
+    ) -> None:
+        if self.cross or context is not None or cache is not None:
+            raise ValueError("rows= is for self-attention without a KV cache")
+        if not inputs.rows_attend_alike():
+            raise ValueError(
+                "rows= needs a mask and score bias that are the same for every query row (padding at most): "
+                "causal, document, window, block-sparse masks and ALiBi / relative biases depend on the row"
+            )
+        kernel = self.resolve_kernel(x, inputs)
+        if kernel not in ("sdpa", "eager"):
+            raise ValueError(f"rows= needs the sdpa or eager kernel, not {kernel!r}")
 
     # ------------------------------------------------------------------ kernels
     def resolve_kernel(self, q: Tensor, inputs: AttentionInputs) -> str:

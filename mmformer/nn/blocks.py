@@ -15,7 +15,10 @@ lines because the model library must not import timm at module level). Layer sca
 2021 (CaiT, arXiv:2103.17239), timm's ``LayerScale``.
 
 Shape legend: B batch, N tokens, D model width, M context tokens, Dc conditioning width.
-All forwards: ``x (B, N, D)`` → ``(B, N, D)``.
+All forwards: ``x (B, N, D)`` → ``(B, N, D)``. The pre- and post-norm blocks (``takes_rows``) also take
+``rows``, a slice of the token axis: only those rows are computed past the attention's keys and values,
+``(B, len(rows), D)``, equal to the full forward's rows (``Attention.forward(rows=…)``; a classifier's last
+block needs its class token only).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
+def _rows(x: Tensor, rows: slice | None) -> Tensor:
+    return x if rows is None else x[:, rows]
+
+
 def _branch_tail(d_model: int, drop_path: float, layer_scale: float | None) -> tuple[nn.Module, nn.Module]:
     ls = LayerScale(d_model, layer_scale) if layer_scale else nn.Identity()
     dp = DropPath(drop_path) if drop_path > 0 else nn.Identity()
@@ -70,6 +77,8 @@ class Block(nn.Module):
         drop_path: stochastic-depth probability of this block.
         layer_scale: initial value of per-channel residual scales, or None for none.
     """
+
+    takes_rows = True  # forward(rows=…) computes only those rows (the module docstring)
 
     def __init__(
         self,
@@ -96,8 +105,10 @@ class Block(nn.Module):
         cond: Tensor | None = None,
         cache: KVCache | None = None,
         layer: int = 0,
+        rows: slice | None = None,
     ) -> Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), inputs, cache=cache, layer=layer)))
+        h = self.attn(self.norm1(x), inputs, cache=cache, layer=layer, rows=rows)
+        x = _rows(x, rows) + self.drop_path1(self.ls1(h))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x
 
@@ -114,8 +125,10 @@ class PostNormBlock(Block):
         cond: Tensor | None = None,
         cache: KVCache | None = None,
         layer: int = 0,
+        rows: slice | None = None,
     ) -> Tensor:
-        x = self.norm1(x + self.drop_path1(self.ls1(self.attn(x, inputs, cache=cache, layer=layer))))
+        h = self.attn(x, inputs, cache=cache, layer=layer, rows=rows)
+        x = self.norm1(_rows(x, rows) + self.drop_path1(self.ls1(h)))
         x = self.norm2(x + self.drop_path2(self.ls2(self.mlp(x))))
         return x
 
@@ -152,8 +165,10 @@ class CrossAttentionBlock(Block):
         cond: Tensor | None = None,
         cache: KVCache | None = None,
         layer: int = 0,
+        rows: slice | None = None,
     ) -> Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), inputs, cache=cache, layer=layer)))
+        h = self.attn(self.norm1(x), inputs, cache=cache, layer=layer, rows=rows)
+        x = _rows(x, rows) + self.drop_path1(self.ls1(h))
         x = x + self.drop_path_cross(
             self.ls_cross(
                 self.cross_attn(self.norm_cross(x), inputs, context=context, cache=cache, layer=layer)

@@ -118,6 +118,14 @@ class MaskSpec:
         )
 
     @property
+    def same_for_every_query(self) -> bool:
+        """Every query row may read the same keys (at most padding is hidden): a subset of the queries
+        can then be attended alone with the same rule (``Attention.forward(rows=…)``)."""
+        return (
+            not self.causal and self.document is None and self.window is None and self.sparse_layout is None
+        )
+
+    @property
     def is_causal_only(self) -> bool:
         """Plain causal with queries = keys: kernels take ``is_causal=True`` instead of a mask."""
         return (
