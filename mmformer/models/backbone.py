@@ -190,7 +190,9 @@ class Backbone(nn.Module):
                 attention's keys and values, plus the final norm (the same values; a ViT-S step does
                 6.3 % fewer FLOPs) where it can: a block that ``takes_rows``, no cache, not reversible, an
                 sdpa / eager kernel and a mask the same for every query (``rows_attend_alike``: padding at
-                most). Elsewhere every row is computed and the rows selected.
+                most). Elsewhere every row is computed and the rows selected. With dropout in training
+                the last block draws masks for its computed rows only: the same distribution, other
+                draws than the full forward's (stochastic depth draws per sample and is unchanged).
 
         Masks (``tokens.valid``, ``context.valid``) are bool, True = real token; another dtype raises
         ``TypeError`` (``mmformer.nn.masks.require_bool``).

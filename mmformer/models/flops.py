@@ -92,6 +92,7 @@ def _block_flops(block: nn.Module, B: int, N: int, n_rows: int, n_k: int, n_ctx:
     values (``Backbone.forward(rows=…)``; else ``N``), against ``n_k`` keys and ``n_ctx`` context tokens."""
     flops = 0
     for name, m in block.named_modules():
+        parts = name.split(".")  # a LoRA-wrapped product: attn.qkv.base, attn.qkv.lora_A, …
         if isinstance(m, nn.Conv1d):  # a conformer's convolutions run along the N tokens
             flops += 2 * B * N * m.out_channels * (m.in_channels // m.groups * m.kernel_size[0])
         elif isinstance(m, Attention):
@@ -101,9 +102,9 @@ def _block_flops(block: nn.Module, B: int, N: int, n_rows: int, n_k: int, n_ctx:
             continue
         elif "adaLN" in name:
             flops += _linear_flops(m, B)
-        elif name.endswith("kv") and "cross" in name:
+        elif "kv" in parts and "cross" in name:
             flops += _linear_flops(m, B * n_ctx)
-        elif name.endswith("qkv"):  # keys and values of every token (queries too: one fused product)
+        elif "qkv" in parts:  # keys and values of every token (queries too: one fused product)
             flops += _linear_flops(m, B * N)
         else:
             flops += _linear_flops(m, B * n_rows)

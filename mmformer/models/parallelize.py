@@ -51,7 +51,9 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> int:
     """``torch.compile`` every block in place (``nn.Module.compile``: keys stay clean). Blocks are
     compiled one by one, as torchtitan does: all blocks share one compiled graph (same code, same
     shapes), compile time does not grow with depth, and tokenizers / heads with data-dependent shapes
-    stay eager. Returns the number of blocks compiled."""
+    stay eager. A head that reads only some rows (``ClassifierHead(pool="cls")``) makes the last block a
+    second graph (``Backbone.forward(rows=…)``: one more compile, not one per layer). Returns the number
+    of blocks compiled."""
     n = 0
     for block in blocks_of(model):
         if getattr(block, "_mmformer_compiled", False):

@@ -17,6 +17,7 @@ from mmformer.models import (
 from mmformer.models.flops import FlopMeter, analytic_flops
 from mmformer.models.heads import ClassifierHead, DiTFinalLayer, LMHead
 from mmformer.models.model import MultimodalModel
+from mmformer.nn.lora import apply_lora
 from mmformer.tokenizers import TextEmbedding
 from mmformer.tokenizers.diffusion import DiTTokenizer
 from mmformer.tokenizers.image import ViTPatchTokenizer
@@ -81,14 +82,32 @@ def _conformer():
     )
 
 
+def _vit_lora():
+    """LoRA-wrapped products (``attn.qkv.base`` …) and a class-token head: the last block's qkv still runs
+    over every token, the rest over the class token only."""
+    model, *rest = _vit()
+    apply_lora(model, within="backbone", rank=4)
+    return (model, *rest)
+
+
+def _vit_mean():  # a mean-pooling head reads every row: no row is skipped
+    model, *rest = _vit()
+    model.heads["cls"] = ClassifierHead(48, 5, pool="mean")
+    return (model, *rest)
+
+
 @pytest.mark.parametrize(
-    "make", [_vit, _llama, _dit, _conformer], ids=["vit", "llama-gqa-swiglu", "dit-adaln", "conformer"]
+    "make",
+    [_vit, _vit_lora, _vit_mean, _llama, _dit, _conformer],
+    ids=["vit", "vit-lora", "vit-mean-pool", "llama-gqa-swiglu", "dit-adaln", "conformer"],
 )
 def test_analytic_flops_equal_the_flop_counter_on_the_eager_path(make):
     torch.manual_seed(0)
     model, inputs, tokenizer, head = make()
     measured = count_flops(model, inputs, tokenizer, head)
     assert analytic_flops(model, inputs, tokenizer, head) == measured["forward"]
+    if not all(p.requires_grad for p in model.parameters()):
+        return  # LoRA: the frozen weights get no gradient products
     # a training step: backward costs about twice the forward (less the first layer's input gradient;
     # the counter charges a depthwise convolution's backward a little more)
     assert 2.7 * measured["forward"] < measured["train"] <= 3.25 * measured["forward"]
