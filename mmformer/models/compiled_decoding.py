@@ -43,14 +43,18 @@ strides or dtypes recompiles). A reversible backbone (``block.reversible``) deco
 
 A compile that fails inside torch (dynamo, inductor) does not end the generation: torch's own fallback
 (``torch._dynamo.config.suppress_errors``, set while a step runs) logs the error as a warning and runs the
-compiled function eagerly from then on in the process — the same ids, at eager speed. torch 2.14 failed
-now and then (~1 call in 40 under load) while building the shape guards of a recompile (``sources must
-not be empty for symbol s…``) in prompt lookup, whose verification width then followed the timed draft
-lengths; it now verifies at two widths only (``prompt_lookup_greedy(fixed_width=True)``).
+compiled function's frame uncompiled from then on in the process — the same ids — though dynamo still
+compiles the functions it calls (the blocks, one graph per layer up to its recompile limit). torch 2.14
+failed now and then while building the shape guards of a recompile (``sources must not be empty for
+symbol s…``) in prompt lookup: when its verification width followed the timed draft lengths (~1 call in
+40 under load), and, less often, when the one-position graph was recompiled for the draft's width. So
+prompt lookup verifies at two widths only (``prompt_lookup_greedy(fixed_width=True)``), and each width is
+compiled as a function of its own (``_blocks_per_width``), never as a recompile of the other's graph.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 
 import torch
@@ -98,7 +102,7 @@ def compiled_step(model: nn.Module, tokenizer: str, mode: str = "cached") -> Cal
             step = _frozen(torch.compile(model.forward, dynamic=True))
         else:
             backbone = model.backbone_of(tokenizer)
-            step = _with_compiled_blocks(model, backbone, torch.compile(backbone.run_blocks, dynamic=True))
+            step = _with_compiled_blocks(model, backbone, _blocks_per_width(backbone))
         _current.update(key=key, fingerprint=fingerprint, step=step)
     return _current["step"]
 
@@ -109,6 +113,29 @@ def clear() -> None:
     if _current:
         _current.clear()
         torch._dynamo.reset()
+
+
+def _blocks_per_width(backbone: nn.Module) -> Callable:
+    """``backbone.run_blocks`` compiled once for one position per row (a decoding step) and, at its first
+    use, once more for several (prompt lookup's verification of a draft), as two functions: two code
+    objects, so each width is a first compile of its own instead of a recompile of the other's graph.
+    torch 2.14's recompile from width 1 to a symbolic width failed while building its shape guards
+    (``sources must not be empty for symbol s…``); dynamo then compiled the blocks one by one instead,
+    each layer a recompile up to its limit of 8 and the rest eager (a first prompt-lookup call of 50 s for
+    SmolLM2-135M, and its steps slower than the compiled greedy ones)."""
+    compiled: dict[bool, Callable] = {}
+
+    def blocks(x, *args, **kwargs):
+        wide = x.shape[1] > 1
+        if wide not in compiled:
+            name = "run_blocks_wide" if wide else "run_blocks"
+            fn = type(backbone).run_blocks
+            code = fn.__code__.replace(co_name=name)
+            copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+            compiled[wide] = torch.compile(types.MethodType(copy, backbone), dynamic=True)
+        return compiled[wide](x, *args, **kwargs)
+
+    return blocks
 
 
 def _with_compiled_blocks(model: nn.Module, backbone: nn.Module, blocks: Callable) -> Callable:
