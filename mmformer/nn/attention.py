@@ -467,7 +467,9 @@ class Attention(nn.Module):
             if self.n_kv_heads != self.n_heads:  # GQA: each group of H / Hkv query heads shares a kv head
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
             return eager_attention(q, k, v, dense, bias, dropout_p)
-        fast_causal = _decoding_mask(mask, Nk).is_causal_only and Nq == Nk and bias is None
+        # a branch, not the expression: with symbolic sizes (a compiled decoding step) Nq == Nk is a SymBool,
+        # which sdpa's is_causal refuses; a branch makes dynamo decide it (with a guard)
+        fast_causal = True if _decoding_mask(mask, Nk).is_causal_only and Nq == Nk and bias is None else False
         attn_mask = None if fast_causal else dense  # (a dense mask may be there for an eager layer)
         if bias is not None:  # sdpa takes one additive float mask: the bias plus the mask's additive form
             attn_mask = bias.to(q.dtype) if dense is None else bias.to(q.dtype) + to_additive(dense, q.dtype)

@@ -304,3 +304,37 @@ def test_a_frozen_step_is_rebuilt_after_any_weight_change(monkeypatch):
             generate(model, "text", "lm", ids, valid, 4, compile="fast")
     finally:
         compiled_decoding.clear()
+
+
+def test_prompt_lookup_traces_the_draft_width_as_whole_blocks(monkeypatch):
+    """One unpadded prompt with drafts: the verification forward (1 + N positions against a longer cache)
+    traces as the whole loop over the blocks with no graph break — ``Nq == Nk`` is symbolic there and
+    sdpa's ``is_causal`` takes a bool only; a break left the blocks compiled one layer at a time. A
+    recording backend instead of inductor: tracing only."""
+    from torch._dynamo.utils import counters
+
+    compiled_decoding.clear()
+    counters.clear()
+    graphs, compile = [], torch.compile
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile(fn, backend=backend, **kwargs))
+    model = tiny_llama().eval()
+    ids, valid = _prompts(1, 9)
+    kwargs = {"prompt_lookup_num_tokens": 4, "min_matching_ngram_size": 1, "compile": True}
+    try:
+        stats: dict = {}
+        assert generate(model, "text", "lm", ids, valid, 24, stats=stats, **kwargs) == generate(
+            model, "text", "lm", ids, valid, 24
+        )
+        assert stats["drafted"] > 0
+    finally:
+        compiled_decoding.clear()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    last = len(model.backbone.blocks) - 1
+    for gm in graphs:  # each graph holds every block, the last one included
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        assert any(f"blocks_modules_{last}_" in n for n in names)
