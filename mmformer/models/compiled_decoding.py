@@ -119,10 +119,11 @@ def _blocks_per_width(backbone: nn.Module) -> Callable:
     """``backbone.run_blocks`` compiled once for one position per row (a decoding step) and, at its first
     use, once more for several (prompt lookup's verification of a draft), as two functions: two code
     objects, so each width is a first compile of its own instead of a recompile of the other's graph.
-    torch 2.14's recompile from width 1 to a symbolic width failed while building its shape guards
-    (``sources must not be empty for symbol s…``); dynamo then compiled the blocks one by one instead,
-    each layer a recompile up to its limit of 8 and the rest eager (a first prompt-lookup call of 50 s for
-    SmolLM2-135M, and its steps slower than the compiled greedy ones)."""
+    torch 2.14's recompile from width 1 to a symbolic width failed now and then while building its shape
+    guards (``sources must not be empty for symbol s…``, seen on a test-sized model); dynamo then skipped
+    the loop and compiled the blocks one by one, each layer a recompile up to its limit of 8, the rest
+    eager. (A graph break does the same: the one SmolLM2-135M met, sdpa's ``is_causal`` given a SymBool,
+    cost its first prompt-lookup call 50 s and its drafted steps their speed; fixed in ``nn.attention``.)"""
     compiled: dict[bool, Callable] = {}
 
     def blocks(x, *args, **kwargs):
