@@ -118,7 +118,9 @@ def generate(
                 f"a prompt of {int(lengths.max())} tokens fills the model's context of {max_len}"
             )
         max_new_tokens = min(max_new_tokens, room)
-    cache = KVCache(capacity=ids.shape[1] + max_new_tokens)
+    # room for a draft verified at the last step too (its unkept positions are written, then cut): the
+    # buffers never grow inside a compiled step, which would recompile it
+    cache = KVCache(capacity=ids.shape[1] + max_new_tokens + (prompt_lookup_num_tokens or 0))
     # the prompt's products, many rows: on oneDNN where it is the faster library on this CPU (nn.onednn)
     with onednn_routed([model] if ids.device.type == "cpu" and faster_here() else []):
         hidden, tokens = model.encode(tokenizer, ids, cache=cache, valid=valid)

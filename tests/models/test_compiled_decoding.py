@@ -309,8 +309,9 @@ def test_a_frozen_step_is_rebuilt_after_any_weight_change(monkeypatch):
 def test_prompt_lookup_traces_the_draft_width_as_whole_blocks(monkeypatch):
     """One unpadded prompt with drafts: the verification forward (1 + N positions against a longer cache)
     traces as the whole loop over the blocks with no graph break — ``Nq == Nk`` is symbolic there and
-    sdpa's ``is_causal`` takes a bool only; a break left the blocks compiled one layer at a time. A
-    recording backend instead of inductor: tracing only."""
+    sdpa's ``is_causal`` takes a bool only; a break left the blocks compiled one layer at a time — and the
+    next prompt retraces nothing (recompiles add up to dynamo's limit in a long-lived process, past which
+    it compiles layer by layer again). A recording backend instead of inductor: tracing only."""
     from torch._dynamo.utils import counters
 
     compiled_decoding.clear()
@@ -331,6 +332,12 @@ def test_prompt_lookup_traces_the_draft_width_as_whole_blocks(monkeypatch):
             model, "text", "lm", ids, valid, 24
         )
         assert stats["drafted"] > 0
+        # another prompt length and budget: no retrace. One graph per width (one position; 1 + N) — the
+        # cache has room for a draft verified at the last step, so its buffers never grow in a graph
+        ids, valid = _prompts(1, 11)
+        want = generate(model, "text", "lm", ids, valid, 20)
+        assert generate(model, "text", "lm", ids, valid, 20, **kwargs) == want
+        assert len(graphs) == 2
     finally:
         compiled_decoding.clear()
     assert not counters["graph_break"], dict(counters["graph_break"])
