@@ -118,23 +118,24 @@ def clear() -> None:
 def _blocks_per_width(backbone: nn.Module) -> Callable:
     """``backbone.run_blocks`` compiled once for one position per row (a decoding step) and, at its first
     use, once more for several (prompt lookup's verification of a draft), as two functions: two code
-    objects, so each width is a first compile of its own instead of a recompile of the other's graph.
+    objects, so each width is a first compile of its own instead of a recompile of the other's graph;
+    likewise each batch size (the recompile from one prompt to a batch of four failed the same way).
     torch 2.14's recompile from width 1 to a symbolic width failed now and then while building its shape
     guards (``sources must not be empty for symbol s…``, seen on a test-sized model); dynamo then skipped
     the loop and compiled the blocks one by one, each layer a recompile up to its limit of 8, the rest
     eager. (A graph break does the same: the one SmolLM2-135M met, sdpa's ``is_causal`` given a SymBool,
     cost its first prompt-lookup call 50 s and its drafted steps their speed; fixed in ``nn.attention``.)"""
-    compiled: dict[bool, Callable] = {}
+    compiled: dict[tuple[bool, int], Callable] = {}
 
     def blocks(x, *args, **kwargs):
-        wide = x.shape[1] > 1
-        if wide not in compiled:
-            name = "run_blocks_wide" if wide else "run_blocks"
+        key = (x.shape[1] > 1, x.shape[0])  # (a draft's width, rows): each a first compile of its own
+        if key not in compiled:
+            name = "run_blocks" if not compiled else f"run_blocks_{'wide' if key[0] else 'one'}_{key[1]}"
             fn = type(backbone).run_blocks
             code = fn.__code__.replace(co_name=name)
             copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-            compiled[wide] = torch.compile(types.MethodType(copy, backbone), dynamic=True)
-        return compiled[wide](x, *args, **kwargs)
+            compiled[key] = torch.compile(types.MethodType(copy, backbone), dynamic=True)
+        return compiled[key](x, *args, **kwargs)
 
     return blocks
 
