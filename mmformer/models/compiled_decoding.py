@@ -48,8 +48,9 @@ compiles the functions it calls (the blocks, one graph per layer up to its recom
 failed now and then while building the shape guards of a recompile (``sources must not be empty for
 symbol s…``) in prompt lookup: when its verification width followed the timed draft lengths (~1 call in
 40 under load), and, less often, when the one-position graph was recompiled for the draft's width. So
-prompt lookup verifies at two widths only (``prompt_lookup_greedy(fixed_width=True)``), and each width is
-compiled as a function of its own (``_blocks_per_width``), never as a recompile of the other's graph.
+prompt lookup verifies at two widths only (``prompt_lookup_greedy(fixed_width=True)``), and each width and
+batch size is compiled as a function of its own (``_blocks_per_shape``), never as a recompile of another's
+graph.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def compiled_step(model: nn.Module, tokenizer: str, mode: str = "cached") -> Cal
             step = _frozen(torch.compile(model.forward, dynamic=True))
         else:
             backbone = model.backbone_of(tokenizer)
-            step = _with_compiled_blocks(model, backbone, _blocks_per_width(backbone))
+            step = _with_compiled_blocks(model, backbone, _blocks_per_shape(backbone))
         _current.update(key=key, fingerprint=fingerprint, step=step)
     return _current["step"]
 
@@ -115,7 +116,7 @@ def clear() -> None:
         torch._dynamo.reset()
 
 
-def _blocks_per_width(backbone: nn.Module) -> Callable:
+def _blocks_per_shape(backbone: nn.Module) -> Callable:
     """``backbone.run_blocks`` compiled once for one position per row (a decoding step) and, at its first
     use, once more for several (prompt lookup's verification of a draft), as two functions: two code
     objects, so each width is a first compile of its own instead of a recompile of the other's graph;
@@ -126,12 +127,12 @@ def _blocks_per_width(backbone: nn.Module) -> Callable:
     eager. (A graph break does the same: the one SmolLM2-135M met, sdpa's ``is_causal`` given a SymBool,
     cost its first prompt-lookup call 50 s and its drafted steps their speed; fixed in ``nn.attention``.)"""
     compiled: dict[tuple[bool, int], Callable] = {}
+    fn = type(backbone).run_blocks
 
     def blocks(x, *args, **kwargs):
         key = (x.shape[1] > 1, x.shape[0])  # (a draft's width, rows): each a first compile of its own
         if key not in compiled:
             name = "run_blocks" if not compiled else f"run_blocks_{'wide' if key[0] else 'one'}_{key[1]}"
-            fn = type(backbone).run_blocks
             code = fn.__code__.replace(co_name=name)
             copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
             compiled[key] = torch.compile(types.MethodType(copy, backbone), dynamic=True)

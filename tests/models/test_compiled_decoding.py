@@ -79,7 +79,7 @@ def test_compiled_blocks_verify_prompt_lookup_drafts(capfd):
     """A token and its draft (several positions) through the compiled blocks: greedy decoding's ids, with
     drafts kept and rejected, and the compiled step reused by the next call. After a greedy call compiled
     the one-position graph, the draft's width is a compile of its own, not a recompile of that graph
-    (which failed in torch 2.14 and left the blocks compiled one layer at a time: ``_blocks_per_width``)."""
+    (which failed in torch 2.14 and left the blocks compiled one layer at a time: ``_blocks_per_shape``)."""
     model = tiny_llama().eval()
     ids, valid = _prompts()
     want = generate(model, "text", "lm", ids, valid, 24)
