@@ -1,7 +1,7 @@
 """Tokenizer kind ``ids``: sequences that already are integer ids — bytes, pixel grey levels, ListOps
 symbols (the Long Range Arena tasks, docs/long_context.md) — embedded as they are: a learned embedding of
 ``vocab_size`` ids plus learned absolute positions up to ``max_len`` (``mmformer.tokenizers.TextEmbedding``,
-GPT-2's ``wte`` + ``wpe``). Its modality is ``ids``: a task reads the batch's ``ids`` / ``ids_valid``
+GPT-2's ``wte`` + ``wpe``), optionally after a learned class token (LRA's ``classifier_pool="CLS"``). Its modality is ``ids``: a task reads the batch's ``ids`` / ``ids_valid``
 (``data.kind: sequences``, ``mmformer.data.sequences``); there is no text tokenizer to train or store."""
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from .context import BuildContext
 @dataclass
 class TokenIdsConfig:
     """``model.tokenizers.<name>`` of kind ``ids``: ids in ``[0, vocab_size)`` → embeddings, with learned
-    absolute positions up to ``max_len`` (None: none, for a backbone with ``positions: rope`` etc.)."""
+    absolute positions up to ``max_len`` (None: none, for a backbone with ``positions: rope`` etc.; the
+    class token takes position 0, so sequences of up to ``max_len - 1`` ids fit with it)."""
 
     modality: ClassVar[str] = "ids"
-    class_token: ClassVar[bool] = False  # heads pool with ``pool: mean``
     kind: str = "ids"
     vocab_size: int = MISSING  # bytes and pixels: 256; see the dataset's meta.json
     max_len: Optional[int] = None
+    class_token: bool = False  # a learned token first, read by a head with ``pool: cls``
 
     def __post_init__(self) -> None:
         positive(self, "vocab_size", "max_len")
@@ -43,4 +44,4 @@ class TokenIdsConfig:
 
 @register("tokenizer", "ids", TokenIdsConfig)
 def build_token_ids(cfg: TokenIdsConfig, d_model: int, ctx: BuildContext, name: str) -> TextEmbedding:
-    return TextEmbedding(cfg.vocab_size, d_model, cfg.max_len)
+    return TextEmbedding(cfg.vocab_size, d_model, cfg.max_len, class_token=cfg.class_token)

@@ -78,8 +78,9 @@ def sequences_data(cfg, vocab_size: int, max_positions: int | None, num_classes:
     max_len = cfg.max_len or meta["max_len"]
     if max_positions is not None and max_len > max_positions:
         raise DataError(
-            f"{root} has sequences of up to {max_len} tokens but the ids tokenizer has max_len={max_positions}: "
-            "raise it, or cut the sequences with data.max_len"
+            f"{root} has sequences of up to {max_len} tokens but the ids tokenizer has learned positions for "
+            f"{max_positions} ids (its max_len, less one for a class token): raise max_len, or cut the "
+            "sequences with data.max_len"
         )
     classes = meta["classes"]
     if num_classes is not None and num_classes != len(classes):

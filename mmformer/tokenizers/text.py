@@ -239,13 +239,17 @@ class TextEmbedding(nn.Module):
         n_pos_axes: position axes ``P`` of the model (the 1-D index is repeated on each).
         type_vocab_size: BERT token types (segments) ``type_embed``; 0 for none.
         norm, norm_eps, drop: LayerNorm and dropout over the summed embeddings (BERT's ``embeddings.LayerNorm``).
+        class_token: prepend a learned ``cls_token`` to every row (position 0; the ids take 1..N), as the
+            Long Range Arena's encoders do for ``classifier_pool="CLS"`` (``lra_benchmarks/models/
+            transformer``): a head with ``pool="cls"`` reads it, mean pooling skips it.
 
-    ``forward(ids (B, N) long, valid (B, N) bool | None) → Tokens``; positions count from each row's
-    first real token (left padding keeps positions). Raises ``ValueError`` beyond ``max_len``.
+    ``forward(ids (B, N) long, valid (B, N) bool | None) → Tokens`` of ``N`` tokens (``N + 1`` with the
+    class token); positions count from each row's first real token (left padding keeps positions). Raises
+    ``ValueError`` beyond ``max_len`` (the class token's position counts), or for the class token with
+    explicit ``positions`` or packed ``document`` ids.
     """
 
     modality = "text"
-    num_prefix_tokens = 0
 
     def __init__(
         self,
@@ -257,9 +261,12 @@ class TextEmbedding(nn.Module):
         norm: bool = False,
         norm_eps: float = 1e-12,
         drop: float = 0.0,
+        class_token: bool = False,
     ):
         super().__init__()
         self.vocab_size, self.max_len, self.n_pos_axes = vocab_size, max_len, n_pos_axes
+        self.num_prefix_tokens = int(class_token)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d_model)) if class_token else None
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos_embed = nn.Embedding(max_len, d_model) if max_len else None
         self.type_embed = nn.Embedding(type_vocab_size, d_model) if type_vocab_size else None
@@ -268,17 +275,21 @@ class TextEmbedding(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """GPT-2 init: normal(0.02) token, position and token-type embeddings."""
+        """GPT-2 init: normal(0.02) token, position and token-type embeddings; timm's ``cls_token`` init."""
         for emb in (self.embed, self.pos_embed, self.type_embed):
             if emb is not None:
                 nn.init.normal_(emb.weight, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed.weight", "type_embed.weight"}
+        return {"pos_embed.weight", "type_embed.weight", "cls_token"}
 
     def example_input(self, batch_size: int = 1, length: int | None = None) -> Tensor:
-        """Zero ids ``(batch_size, length)``, ``length`` defaulting to ``max_len`` or 256 (FLOP counting)."""
-        return torch.zeros(batch_size, length or self.max_len or 256, dtype=torch.long)
+        """Zero ids ``(batch_size, length)``, ``length`` defaulting to the most that fit ``max_len`` (one
+        fewer with the class token) or 256 (FLOP counting)."""
+        longest = self.max_len - self.num_prefix_tokens if self.max_len else 256
+        return torch.zeros(batch_size, length or longest, dtype=torch.long)
 
     def forward(
         self,
@@ -295,6 +306,8 @@ class TextEmbedding(nn.Module):
         if valid is not None:
             ids = ids.masked_fill(~require_bool(valid, "valid"), 0)
         x = embed(self.embed, ids)  # (B, N, D); the gradient joins a tied LM head's (nn.tied_embedding)
+        if self.cls_token is not None:
+            x, valid = self._prepend_class_token(x, valid, positions, document)
         tokens = Tokens.from_embeddings(
             x, MODALITY_IDS["text"], valid=valid, positions=positions, n_pos_axes=self.n_pos_axes
         )
@@ -316,3 +329,16 @@ class TextEmbedding(nn.Module):
             x = x + self.type_embed(token_type if token_type is not None else torch.zeros_like(ids))
         tokens.x = self.drop(self.norm(x))
         return tokens
+
+    def _prepend_class_token(
+        self, x: Tensor, valid: Tensor | None, positions: Tensor | None, document: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(B, N, D)`` embeddings → ``(B, 1 + N, D)`` with ``cls_token`` first, and ``valid`` to match
+        (the class token is always valid, so left-padded rows count positions from it)."""
+        if positions is not None or document is not None:
+            raise ValueError("class_token=True numbers positions itself: pass neither positions nor document")
+        B = x.shape[0]
+        x = torch.cat([self.cls_token.to(x.dtype).expand(B, -1, -1), x], dim=1)
+        if valid is not None:
+            valid = torch.cat([valid.new_ones(B, 1), valid], dim=1)
+        return x, valid

@@ -238,7 +238,7 @@ RECIPE = """\
 name: lra_tiny
 seed: 0
 model:
-  tokenizers: {{ids: {{kind: ids, vocab_size: {vocab}, max_len: {max_len}}}}}
+  tokenizers: {{ids: {{kind: ids, vocab_size: {vocab}, max_len: {max_len}, class_token: {class_token}}}}}
   backbone: {{d_model: 32, n_layers: 1, n_heads: 2, attn_kernel: {kernel}}}
   heads: {{cls: {{kind: classifier, num_classes: {classes}, pool: {pool}}}}}
 tasks:
@@ -256,17 +256,19 @@ logger: {{mode: disabled}}
 def tiny_recipe(tmp_path, **kw):
     from mmformer.recipe import load_recipe
 
-    values = dict(vocab=15, max_len=2000, kernel="sdpa", classes=10, pool="mean", data_kind="sequences")
+    values = dict(
+        vocab=15, max_len=2000, kernel="sdpa", classes=10, pool="mean", data_kind="sequences", class_token=False
+    )
     path = tmp_path / "lra_tiny.yaml"
     path.write_text(RECIPE.format(**{**values, **kw}))
     return load_recipe(path)
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "performer"])
-def test_batches_and_padding_change_nothing(listops, tmp_path, kernel):
+@pytest.mark.parametrize("kernel,pool", [("sdpa", "mean"), ("performer", "mean"), ("sdpa", "cls")])
+def test_batches_and_padding_change_nothing(listops, tmp_path, kernel, pool):
     from mmformer.build import build_datamodule, build_model
 
-    recipe = tiny_recipe(tmp_path, root=listops, kernel=kernel)
+    recipe = tiny_recipe(tmp_path, root=listops, kernel=kernel, pool=pool, class_token=pool == "cls")
     data = build_datamodule(recipe).data["toy"]
     items = [data.val[i] for i in range(3)]
     batch = data.collate(items)
@@ -293,8 +295,12 @@ def test_recipe_rules(listops, tmp_path):
         tiny_recipe(tmp_path, root=listops, data_kind="text_classification")
     with pytest.raises(DataError, match="vocab_size=8"):
         build_datamodule(tiny_recipe(tmp_path, root=listops, vocab=8))
-    with pytest.raises(DataError, match="max_len=1000"):
+    longest = json.loads((listops / "meta.json").read_text())["max_len"]
+    with pytest.raises(DataError, match="positions for 1000 ids"):
         build_datamodule(tiny_recipe(tmp_path, root=listops, max_len=1000))
+    build_datamodule(tiny_recipe(tmp_path, root=listops, max_len=longest))  # fits exactly
+    with pytest.raises(DataError, match=f"positions for {longest - 1} ids .* less one for a class token"):
+        build_datamodule(tiny_recipe(tmp_path, root=listops, max_len=longest, class_token=True))
     with pytest.raises(DataError, match="num_classes=3"):
         build_datamodule(tiny_recipe(tmp_path, root=listops, classes=3))
     meta = json.loads((listops / "meta.json").read_text())

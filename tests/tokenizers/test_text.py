@@ -88,3 +88,21 @@ def test_text_embedding_positions_count_from_the_first_real_token():
     assert (t.modality == 0).all()
     with pytest.raises(ValueError, match="beyond max_len=16"):
         emb(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_class_token_comes_first_at_position_zero_and_padding_changes_nothing():
+    emb = TextEmbedding(50, 8, max_len=5, class_token=True)
+    assert emb.num_prefix_tokens == 1 and "cls_token" in emb.no_weight_decay()
+    ids = torch.tensor([[0, 0, 5, 6], [5, 6, 7, 8]])
+    valid = torch.tensor([[False, False, True, True], [True] * 4])
+    t = emb(ids, valid)  # (2, 5): the class token, then the ids
+    assert t.x.shape == (2, 5, 8) and t.valid[:, 0].all() and t.valid[0].tolist() == [True, False, False, True, True]
+    assert t.positions[0, [0, 3, 4], 0].tolist() == [0, 1, 2] and t.positions[1, :, 0].tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(t.x[:, 0], (emb.cls_token[0, 0] + emb.pos_embed.weight[0]).expand(2, -1))
+    alone = emb(torch.tensor([[5, 6]]))  # the left-padded row without its padding: the same tokens
+    torch.testing.assert_close(t.x[0, [0, 3, 4]], alone.x[0])
+    assert emb.example_input().shape == (1, 4)  # the most ids that fit max_len with the class token
+    with pytest.raises(ValueError, match="beyond max_len=5"):
+        emb(torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="neither positions nor document"):
+        emb(ids, positions=torch.zeros(2, 4, 1, dtype=torch.long))

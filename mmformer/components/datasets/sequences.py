@@ -37,14 +37,20 @@ class SequencesDataConfig(LoaderConfig):
             raise RecipeError(
                 f"'{where}': sequences data is read by an ids tokenizer; {task.tokenizer!r} is {tok.kind}"
             )
-        if self.max_len and tok.max_len and self.max_len > tok.max_len:
+        fits = id_positions(tok)
+        if self.max_len and fits and self.max_len > fits:
             raise RecipeError(
                 f"'{where}.max_len' is {self.max_len} but tokenizer {task.tokenizer!r} has learned positions "
-                f"up to max_len={tok.max_len}"
+                f"for {fits} ids (max_len={tok.max_len}{', one for its class token' if tok.class_token else ''})"
             )
+
+
+def id_positions(tok) -> Optional[int]:
+    """Ids that an ``ids`` tokenizer has learned positions for: ``max_len``, less one for a class token."""
+    return tok.max_len - int(tok.class_token) if tok.max_len else None
 
 
 @register("dataset", "sequences", SequencesDataConfig)
 def build_sequences(cfg: SequencesDataConfig, task, ctx: BuildContext):
     tok = ctx.recipe.model.tokenizers[task.tokenizer]
-    return sequences_data(cfg, tok.vocab_size, tok.max_len, ctx.num_classes(task), ctx.recipe.seed)
+    return sequences_data(cfg, tok.vocab_size, id_positions(tok), ctx.num_classes(task), ctx.recipe.seed)
