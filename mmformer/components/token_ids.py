@@ -2,7 +2,8 @@
 symbols (the Long Range Arena tasks, docs/long_context.md) — embedded as they are: a learned embedding of
 ``vocab_size`` ids plus learned absolute positions up to ``max_len`` (``mmformer.tokenizers.TextEmbedding``,
 GPT-2's ``wte`` + ``wpe``), optionally after a learned class token (LRA's ``classifier_pool="CLS"``).
-Its modality is ``ids``: a task reads the batch's ``ids`` / ``ids_valid`` (``data.kind: sequences``, ``mmformer.data.sequences``); there is no text tokenizer to train or store."""
+Its modality is ``ids``: a task reads the batch's ``ids`` / ``ids_valid`` (``data.kind: sequences``,
+``mmformer.data.sequences``); there is no text tokenizer to train or store."""
 
 from __future__ import annotations
 
