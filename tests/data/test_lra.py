@@ -257,7 +257,13 @@ def tiny_recipe(tmp_path, **kw):
     from mmformer.recipe import load_recipe
 
     values = dict(
-        vocab=15, max_len=2000, kernel="sdpa", classes=10, pool="mean", data_kind="sequences", class_token=False
+        vocab=15,
+        max_len=2000,
+        kernel="sdpa",
+        classes=10,
+        pool="mean",
+        data_kind="sequences",
+        class_token=False,
     )
     path = tmp_path / "lra_tiny.yaml"
     path.write_text(RECIPE.format(**{**values, **kw}))
