@@ -4,12 +4,16 @@ the recipes of ``recipes/long_context/`` and one small model for every kernel.
     python bench/lra.py accuracy --tasks listops,pathfinder --jobs 2 --set trainer.threads=1  # Table 1
     python bench/lra.py accuracy --tasks text,image --steps 300         # Table 1 at a stated smaller budget
     python bench/lra.py speed --lengths 1024,2048,4096 --steps 4              # Table 2: steps/s, memory
+    python bench/lra.py baselines --tasks listops     # what the majority class and the first tokens give
 
 ``accuracy`` trains each (task, kernel) at the recipe's budget (or ``trainer.max_steps=STEPS``, validated
 at the end) and prints the final validation accuracy. ``speed`` trains the byte-level text recipe at each length (every
 passage cut to it) for a few steps and reports training steps per second (after the first step) and the
 peak resident memory of the training steps above the memory at the start of training (the high-water
-mark reset there: Linux ``/proc/self/clear_refs``), relative to softmax attention (sdpa). Every run is its own process
+mark reset there: Linux ``/proc/self/clear_refs``), relative to softmax attention (sdpa). ``baselines``
+reads each task's data only: the validation accuracy of the majority class, and of the majority label
+given the first ``k`` tokens (counted on the training split) — for ListOps the first token is the
+outermost operator, which alone decides a large part of the answer. Every run is its own process
 (``mmformer train`` with ``logger.mode=disabled``) so peak memory is that run's alone. The data must be
 prepared first (each recipe's header says how). Numbers go to ``bench/README.md``; nothing here is a test.
 """
@@ -161,6 +165,38 @@ def accuracy(
         print(f"| {task} | {' | '.join(cell[task, k] for k in kernels)} |", flush=True)
 
 
+def baselines(tasks: list[str], firsts: tuple[int, ...] = (1, 2, 3)) -> None:
+    """Validation accuracy of label-only and first-tokens-only predictors, from each task's data."""
+    from collections import Counter, defaultdict
+
+    from mmformer.data.roots import resolve_root
+    from mmformer.data.sequence_format import read_meta, read_split
+    from mmformer.recipe import load_recipe
+
+    print("| task | majority class | " + " | ".join(f"first {k} tokens" for k in firsts) + " |")
+    print("|---|---|" + "---|" * len(firsts))
+    for task in tasks:
+        (cfg,) = load_recipe(ROOT / RECIPES[task]).tasks.values()
+        root = resolve_root(str(cfg.data.root))
+        meta = read_meta(root)
+        split = {}
+        for name in (cfg.data.train_split, cfg.data.val_split):
+            tokens, offsets, labels = read_split(root, name, meta)
+            split[name] = [
+                (tuple(tokens[offsets[i] : offsets[i + 1]]), int(labels[i])) for i in range(len(labels))
+            ]
+        train, val = split[cfg.data.train_split], split[cfg.data.val_split]
+        majority = Counter(label for _, label in train).most_common(1)[0][0]
+        cells = [sum(label == majority for _, label in val) / len(val)]
+        for k in firsts:
+            seen: dict[tuple, Counter] = defaultdict(Counter)
+            for ids, label in train:
+                seen[ids[:k]][label] += 1
+            guess = {key: c.most_common(1)[0][0] for key, c in seen.items()}
+            cells.append(sum(guess.get(ids[:k], majority) == label for ids, label in val) / len(val))
+        print(f"| {task} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
+
+
 def speed(lengths: list[int], kernels: list[str], steps: int) -> None:
     print("| kernel | " + " | ".join(f"{n} steps/s | {n} training MB" for n in lengths) + " |")
     print("|---|" + "---|---|" * len(lengths))
@@ -196,7 +232,7 @@ def speed(lengths: list[int], kernels: list[str], steps: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["accuracy", "speed"])
+    p.add_argument("mode", choices=["accuracy", "speed", "baselines"])
     p.add_argument("--tasks", default=",".join(RECIPES))
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--steps", type=int, default=None, help="accuracy: training steps; speed: steps per run")
@@ -214,7 +250,9 @@ def main() -> None:
     )
     a = p.parse_args()
     kernels = a.kernels.split(",")
-    if a.mode == "accuracy":
+    if a.mode == "baselines":
+        baselines(a.tasks.split(","))
+    elif a.mode == "accuracy":
         accuracy(a.tasks.split(","), kernels, a.steps, a.set, a.jobs, a.out)
     else:
         speed([int(n) for n in a.lengths.split(",")], kernels, a.steps or 4)
