@@ -192,8 +192,9 @@ def test_a_vit_classifier_gives_the_full_forwards_logits_and_gradients():
     expected = head(hidden, tokens)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
     expected.logsumexp(-1).sum().backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    for name, p in model.named_parameters():  # float32 sums in another order: errors scale with the gradient
+        atol = 1e-6 * max(1.0, p.grad.abs().max().item())  # cls_token / pos_embed: |grad| up to ~350
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=atol, msg=name)
 
 
 def test_checkpointed_blocks_take_the_shortcut_with_the_same_gradients():
