@@ -179,11 +179,12 @@ def baselines(tasks: list[str], firsts: tuple[int, ...] = (1, 2, 3)) -> None:
         (cfg,) = load_recipe(ROOT / RECIPES[task]).tasks.values()
         root = resolve_root(str(cfg.data.root))
         meta = read_meta(root)
-        split = {}
-        for name in (cfg.data.train_split, cfg.data.val_split):
+        split, k_max = {}, max(firsts)
+        for name in (cfg.data.train_split, cfg.data.val_split):  # only the first tokens are ever read
             tokens, offsets, labels = read_split(root, name, meta)
+            starts, ends = offsets[:-1], offsets[1:]
             split[name] = [
-                (tuple(tokens[offsets[i] : offsets[i + 1]]), int(labels[i])) for i in range(len(labels))
+                (tuple(tokens[a : min(a + k_max, b)]), int(y)) for a, b, y in zip(starts, ends, labels)
             ]
         train, val = split[cfg.data.train_split], split[cfg.data.val_split]
         majority = Counter(label for _, label in train).most_common(1)[0][0]

@@ -101,13 +101,8 @@ def test_class_token_comes_first_at_position_zero_and_padding_changes_nothing():
         and t.valid[:, 0].all()
         and t.valid[0].tolist() == [True, False, False, True, True]
     )
-    assert t.positions[0, [0, 3, 4], 0].tolist() == [0, 1, 2] and t.positions[1, :, 0].tolist() == [
-        0,
-        1,
-        2,
-        3,
-        4,
-    ]
+    assert t.positions[0, [0, 3, 4], 0].tolist() == [0, 1, 2]
+    assert t.positions[1, :, 0].tolist() == [0, 1, 2, 3, 4]
     torch.testing.assert_close(t.x[:, 0], (emb.cls_token[0, 0] + emb.pos_embed.weight[0]).expand(2, -1))
     alone = emb(torch.tensor([[5, 6]]))  # the left-padded row without its padding: the same tokens
     torch.testing.assert_close(t.x[0, [0, 3, 4]], alone.x[0])
