@@ -62,9 +62,17 @@ def collate_sequences(samples: list[dict]) -> dict:
     return {"ids": ids, "ids_valid": valid, "label": torch.tensor([s["label"] for s in samples])}
 
 
-def sequences_data(cfg, vocab_size: int, max_positions: int | None, num_classes: int | None, seed: int):
+def sequences_data(
+    cfg,
+    vocab_size: int,
+    max_positions: int | None,
+    num_classes: int | None,
+    seed: int,
+    class_token: bool = False,
+):
     """``TaskData`` for a ``SequencesDataConfig`` read by an ``ids`` tokenizer of ``vocab_size`` ids and
-    learned positions up to ``max_positions`` (None: the backbone's relative positions).
+    learned positions up to ``max_positions`` (None: the backbone's relative positions; with
+    ``class_token`` the tokenizer's ``max_len`` is one more, the class token's position 0).
 
     Raises ``DataNotFoundError`` (a missing root) or ``DataError``: no meta.json or split file, ids
     beyond the tokenizer's vocabulary, sequences longer than its positions, a head of the wrong size.
@@ -77,10 +85,10 @@ def sequences_data(cfg, vocab_size: int, max_positions: int | None, num_classes:
         )
     max_len = cfg.max_len or meta["max_len"]
     if max_positions is not None and max_len > max_positions:
+        why = f"max_len={max_positions + 1} less one for its class token" if class_token else "its max_len"
         raise DataError(
             f"{root} has sequences of up to {max_len} tokens but the ids tokenizer has learned positions for "
-            f"{max_positions} ids (its max_len, less one for a class token): raise max_len, or cut the "
-            "sequences with data.max_len"
+            f"{max_positions} ids ({why}): raise max_len, or cut the sequences with data.max_len"
         )
     classes = meta["classes"]
     if num_classes is not None and num_classes != len(classes):

@@ -302,10 +302,13 @@ def test_recipe_rules(listops, tmp_path):
     with pytest.raises(DataError, match="vocab_size=8"):
         build_datamodule(tiny_recipe(tmp_path, root=listops, vocab=8))
     longest = json.loads((listops / "meta.json").read_text())["max_len"]
-    with pytest.raises(DataError, match="positions for 1000 ids"):
+    with pytest.raises(DataError, match=r"positions for 1000 ids \(its max_len\)"):
         build_datamodule(tiny_recipe(tmp_path, root=listops, max_len=1000))
     build_datamodule(tiny_recipe(tmp_path, root=listops, max_len=longest))  # fits exactly
-    with pytest.raises(DataError, match=f"positions for {longest - 1} ids .* less one for a class token"):
+    with pytest.raises(
+        DataError,
+        match=rf"positions for {longest - 1} ids \(max_len={longest} less one for its class token\)",
+    ):
         build_datamodule(tiny_recipe(tmp_path, root=listops, max_len=longest, class_token=True))
     with pytest.raises(DataError, match="num_classes=3"):
         build_datamodule(tiny_recipe(tmp_path, root=listops, classes=3))

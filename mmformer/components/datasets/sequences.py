@@ -53,4 +53,6 @@ def id_positions(tok) -> Optional[int]:
 @register("dataset", "sequences", SequencesDataConfig)
 def build_sequences(cfg: SequencesDataConfig, task, ctx: BuildContext):
     tok = ctx.recipe.model.tokenizers[task.tokenizer]
-    return sequences_data(cfg, tok.vocab_size, id_positions(tok), ctx.num_classes(task), ctx.recipe.seed)
+    return sequences_data(
+        cfg, tok.vocab_size, id_positions(tok), ctx.num_classes(task), ctx.recipe.seed, tok.class_token
+    )
