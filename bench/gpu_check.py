@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/gpu_check.py              # on a CUDA machine; results also in $OUT/gpu_check.json
     PYTHONPATH=. python bench/gpu_check.py --cpu-smoke  # tiny sizes on CPU: checks the script's code paths
+    PYTHONPATH=. python bench/gpu_check.py --only attention,gpt2_medium   # some sections again
 
 Imports only the model library (``mmformer.nn``, ``mmformer.models``) and torch, so it runs on a GPU box
 with its own torch and without Lightning, W&B or OmegaConf. It reports:
@@ -13,8 +14,15 @@ with its own torch and without Lightning, W&B or OmegaConf. It reports:
   3. attention TFLOP/s for sdpa and flex at long sequence lengths;
   4. the device's measured bf16 matmul peak;
   5. a full bf16 training step (forward, backward, AdamW) of ViT-B/16 and GPT-2-small-sized backbones:
-     step time, tokens/s, achieved TFLOP/s and MFU against the measured matmul peak (and the H200's
-     989 TFLOP/s dense bf16 spec).
+     step time, tokens/s, achieved TFLOP/s and MFU against the measured matmul peak (and the H100 /
+     H200 989 TFLOP/s dense bf16 spec);
+  6. the whole GPT-2-medium language model (355M parameters, vocab 50,257, tied head, 1,024 tokens) as
+     ``mmformer train`` runs it (the LM head's chunked cross-entropy, fused AdamW, bf16 autocast): sdpa
+     eager, sdpa with regional ``torch.compile`` (``compile_blocks``), flex with it, and sdpa with the
+     whole model compiled — step time, MFU, peak memory, compile time apart (issue 26's goal: ≥ 55 % of
+     the measured matmul peak).
+Attention TFLOP/s (3.) is timed forward-only and forward + backward at 4k, 8k and 16k tokens, head
+dims 64 and 128 (issue 26's goal: ≥ 450 TFLOP/s).
 Each section is guarded: a failure is recorded and the next section runs; the JSON is rewritten after
 every section, so a crash loses nothing already measured.
 """
@@ -35,7 +43,22 @@ from mmformer.nn import Attention, AttentionInputs, MaskSpec, Tokens
 from mmformer.nn.positions import alibi_slopes
 
 RESULTS: dict = {}
-H200_BF16_DENSE = 989e12  # FLOP/s, NVIDIA H200 SXM datasheet (dense, no sparsity)
+SECTIONS = (
+    "sdpa_backends",
+    "sdpa_dense",
+    "flex_vs_eager",
+    "attention",
+    "matmul_peak",
+    "gpt2_medium",
+    "train_step",
+)
+# dense bf16 FLOP/s from NVIDIA's datasheets (no sparsity); MFU is reported against the measured peak too
+BF16_SPEC = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12}
+
+
+def spec_peak(name: str) -> float | None:
+    """The datasheet's dense bf16 FLOP/s of a device named ``name`` (first matching key), else None."""
+    return next((v for k, v in BF16_SPEC.items() if k in name), None)
 
 
 def save() -> None:
@@ -175,39 +198,55 @@ def check_flex(device: str, n: int) -> None:
         print(f"   MISMATCH {k}: {out[k]}")
 
 
-def attention_tflops(device: str, lengths: list[int]) -> None:
-    """Kernel-only timing (prebuilt q, k, v and block mask): sdpa causal, flex causal, flex documents."""
+def attention_tflops(device: str, lengths: list[int], head_dims: list[int]) -> None:
+    """Kernel-only timing (prebuilt q, k, v and block mask), forward alone and forward + backward: sdpa
+    causal, flex causal, flex over four equal documents. B·H·Dh = 2 × 2,048 at every head dim.
+
+    FLOPs (FlashAttention-2 paper's convention, Dao 2023 §4.1): forward 4·B·H·N²·Dh, halved when causal;
+    backward 2.5× forward (so forward + backward 3.5×); four equal causal documents a quarter of causal.
+    """
     from mmformer.nn.attention import flex_attention
 
-    B, H, Dh = 2, 16, 64
     rows = []
-    for n in lengths:
-        q, k, v = (
-            torch.randn(B, H, n, Dh, device=device, dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(3)
-        )
-        doc_mask = _masks(B, n, device)["documents"]
-        doc_mask = MaskSpec(causal=True, document=doc_mask.document)  # documents only, no padding
-        cases = {
-            "sdpa causal": lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True
+    for dh in head_dims:
+        B, H = 2, 2048 // dh
+        for n in lengths:
+            q, k, v = (
+                torch.randn(B, H, n, dh, device=device, dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(3)
             )
-        }
-        if device == "cuda":
-            causal_bm = MaskSpec(causal=True).block_mask(B, n, n, q.device)
-            doc_bm = doc_mask.block_mask(B, n, n, q.device)
-            cases["flex causal"] = lambda bm=causal_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
-            cases["flex documents"] = lambda bm=doc_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
-        for name, fn in cases.items():
-            t = timed(lambda fn=fn: fn().sum().backward(), device, repeats=5)
-            # 4·B·H·N²·Dh forward matmul FLOPs, halved for causal; backward ≈ 2.5× forward
-            flops = 3.5 * 4 * B * H * n * n * Dh * 0.5
-            if name == "flex documents":
-                flops /= 4  # four equal documents: a quarter of the causal work
-            rows.append({"n": n, "case": name, "ms": t * 1e3, "tflops": flops / t / 1e12})
-            print(
-                f"3. attention fwd+bwd  N={n:6d}  {name:15s} {t * 1e3:8.2f} ms  {flops / t / 1e12:7.1f} TFLOP/s"
-            )
+            doc_mask = _masks(B, n, device)["documents"]
+            doc_mask = MaskSpec(causal=True, document=doc_mask.document)  # documents only, no padding
+            cases = {
+                "sdpa causal": lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True
+                )
+            }
+            if device == "cuda":
+                causal_bm = MaskSpec(causal=True).block_mask(B, n, n, q.device)
+                doc_bm = doc_mask.block_mask(B, n, n, q.device)
+                cases["flex causal"] = lambda bm=causal_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
+                cases["flex documents"] = lambda bm=doc_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
+            for name, fn in cases.items():
+                forward = 4 * B * H * n * n * dh * 0.5 / (4 if name == "flex documents" else 1)
+                with torch.no_grad():
+                    t_fwd = timed(fn, device, repeats=5)
+                t_both = timed(lambda fn=fn: fn().sum().backward(), device, repeats=5)
+                row = {
+                    "n": n,
+                    "head_dim": dh,
+                    "case": name,
+                    "fwd_ms": t_fwd * 1e3,
+                    "fwd_tflops": forward / t_fwd / 1e12,
+                    "fwd_bwd_ms": t_both * 1e3,
+                    "fwd_bwd_tflops": 3.5 * forward / t_both / 1e12,
+                }
+                rows.append(row)
+                print(
+                    f"3. attention N={n:6d} Dh={dh:3d} {name:15s} forward {t_fwd * 1e3:7.2f} ms "
+                    f"{row['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd {t_both * 1e3:7.2f} ms "
+                    f"{row['fwd_bwd_tflops']:6.1f} TFLOP/s"
+                )
     RESULTS["attention"] = rows
 
 
@@ -289,26 +328,9 @@ def train_step_mfu(device: str, peak: float, cfgs: dict) -> None:
     RESULTS["train_step"] = rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU, to check the script itself")
-    a = p.parse_args()
-    device = "cpu" if a.cpu_smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run on a GPU machine, or use --cpu-smoke")
-    RESULTS["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    RESULTS["torch"] = torch.__version__
-    print(f"device: {RESULTS['device']}, torch {torch.__version__}")
-    for knob in ("recompile_limit", "cache_size_limit"):  # many distinct flex graphs in one process
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 256)
-    big = device == "cuda"
-    section("sdpa_backends", check_sdpa_backends, device, 4096 if big else 64)
-    section("sdpa_dense", check_sdpa_dense, device, 1024 if big else 32)
-    section("flex_vs_eager", check_flex, device, 1024 if big else 64)
-    section("attention", attention_tflops, device, [4096, 16384] if big else [128])
-    peak = section("matmul_peak", matmul_peak, device, 8192 if big else 256) or H200_BF16_DENSE
-    models = (
+def backbone_sizes(big: bool) -> dict:
+    """Section 5's backbones: name → (size, build_backbone keywords, batch, tokens)."""
+    return (
         {
             "ViT-B/16 (197 tokens)": (PRESETS["base"], {}, 128, 197),
             "GPT-2 small (1024 ctx)": (
@@ -341,7 +363,149 @@ def main() -> None:
             ),
         }
     )
-    section("train_step", train_step_mfu, device, peak, models)
+
+
+def gpt2_medium_mfu(device: str, peak: float, small: bool) -> None:
+    """The whole GPT-2-medium language model's bf16 training step, as ``mmformer train`` runs it: token
+    and learned position embeddings, 24 pre-norm causal blocks (d_model 1,024, 16 heads, GELU-tanh), the
+    tied LM head's chunked cross-entropy (``LMHead.cross_entropy``, never holding the logits), fused
+    AdamW, bf16 autocast over fp32 weights. Batch 8 × 1,024 tokens. One row per variant: sdpa eager,
+    sdpa and flex with regional ``torch.compile`` (``compile_blocks``: one graph for every block, as
+    torchtitan compiles), and sdpa with the whole loss function compiled. Each variant's first step is
+    timed apart (compile time = first step − median step).
+
+    FLOPs per token (PaLM's convention, Chowdhery et al. 2022, App. B, the attention term halved for
+    causal): 6·(non-embedding parameters + the head's V·D) + 6·L·N·D. MFU against the measured bf16
+    matmul peak and against the datasheet's.
+    """
+    import gc
+
+    from mmformer.models import AttentionConfig, MlpConfig, MultimodalModel, build_backbone
+    from mmformer.models.heads import LMHead
+    from mmformer.models.parallelize import compile_blocks
+    from mmformer.tokenizers import TextEmbedding
+
+    d, L, H, V, n, batch = (64, 2, 4, 1000, 64, 2) if small else (1024, 24, 16, 50257, 1024, 8)
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (batch, n), device=device)
+    spec = spec_peak(RESULTS.get("device", ""))
+    variants = {
+        "sdpa, eager": ("sdpa", None),
+        "sdpa, compile_blocks": ("sdpa", "blocks"),
+        "flex, compile_blocks": ("flex", "blocks"),
+        "sdpa, compiled loss fn": ("sdpa", "whole"),
+    }
+    rows = []
+    for name, (kernel, compiled) in variants.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        emb = TextEmbedding(V, d, max_len=n)
+        head = LMHead(d, V)
+        head.tie_to(emb.embed)
+        backbone = build_backbone(
+            d,
+            L,
+            AttentionConfig(H, kernel=kernel),
+            mlp=MlpConfig(act="gelu_tanh"),
+            norm_eps=1e-5,
+            causal=True,
+        )
+        model = MultimodalModel({"text": emb}, backbone, {"lm": head}).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def loss_fn(model=model):
+            hidden, _ = model.encode("text", ids)
+            return model.heads["lm"].cross_entropy(hidden[:, :-1], ids[:, 1:])
+
+        if compiled == "blocks":
+            compile_blocks(model)
+        elif compiled == "whole":
+            loss_fn = torch.compile(loss_fn)
+
+        def step(model=model, opt=opt, loss_fn=loss_fn):
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = loss_fn()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        row = {"variant": name, "batch": batch, "tokens": n}
+        try:
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            row["first_loss"] = float(step())  # ln V ≈ 10.8 at initialisation
+            first = time.perf_counter() - t0
+            t = timed(step, device, repeats=10, warmup=2)
+            non_embedding = sum(p.numel() for p in model.backbone.parameters())
+            flops = batch * n * (6 * (non_embedding + V * d) + 6 * L * n * d)
+            row.update(
+                ms=t * 1e3,
+                tokens_per_s=batch * n / t,
+                tflops=flops / t / 1e12,
+                mfu_measured_peak=flops / t / peak,
+                mfu_spec=flops / t / spec if spec else None,
+                first_step_s=first,
+                compile_s=max(first - t, 0.0),
+                peak_gb=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+            )
+            print(
+                f"6. GPT-2-medium LM bf16 step, {name:24s} batch {batch} × {n}: {t * 1e3:8.1f} ms, "
+                f"{batch * n / t:8.0f} tokens/s, {flops / t / 1e12:6.1f} TFLOP/s, "
+                f"MFU {100 * flops / t / peak:5.1f} % of measured peak"
+                + (f" ({100 * flops / t / spec:5.1f} % of spec)" if spec else "")
+                + f", first step {first:.1f} s, loss {row['first_loss']:.3f}"
+                + (f", peak {row['peak_gb']:.1f} GiB" if row["peak_gb"] else "")
+            )
+        except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            print(f"6. GPT-2-medium LM bf16 step, {name}: FAILED: {row['error'][:200]}")
+        rows.append(row)
+        RESULTS["gpt2_medium"] = rows
+        save()
+        del model, opt, emb, head, backbone
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU, to check the script itself")
+    p.add_argument("--only", default=None, help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    a = p.parse_args()
+    only = set(a.only.split(",")) if a.only else set(SECTIONS)
+    if only - set(SECTIONS):
+        raise SystemExit(f"unknown sections {sorted(only - set(SECTIONS))}; sections: {', '.join(SECTIONS)}")
+    device = "cpu" if a.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or use --cpu-smoke")
+    RESULTS["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    RESULTS["torch"] = torch.__version__
+    print(f"device: {RESULTS['device']}, torch {torch.__version__}")
+    for knob in ("recompile_limit", "cache_size_limit"):  # many distinct flex graphs in one process
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 256)
+    big = device == "cuda"
+    if "sdpa_backends" in only:
+        section("sdpa_backends", check_sdpa_backends, device, 4096 if big else 64)
+    if "sdpa_dense" in only:
+        section("sdpa_dense", check_sdpa_dense, device, 1024 if big else 32)
+    if "flex_vs_eager" in only:
+        section("flex_vs_eager", check_flex, device, 1024 if big else 64)
+    if "attention" in only:
+        lengths, head_dims = ([4096, 8192, 16384], [64, 128]) if big else ([128], [64])
+        section("attention", attention_tflops, device, lengths, head_dims)
+    peak = None
+    if only & {"matmul_peak", "train_step", "gpt2_medium"}:
+        peak = section("matmul_peak", matmul_peak, device, 8192 if big else 256)
+    peak = peak or spec_peak(RESULTS["device"]) or BF16_SPEC["H100"]
+    if "gpt2_medium" in only:
+        section("gpt2_medium", gpt2_medium_mfu, device, peak, not big)
+    if "train_step" in only:
+        section("train_step", train_step_mfu, device, peak, backbone_sizes(big))
     print("errors:", RESULTS.get("errors", "none"))
 
 
