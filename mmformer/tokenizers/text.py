@@ -320,7 +320,9 @@ class TextEmbedding(nn.Module):
                 tokens.positions = (idx - first).unsqueeze(-1).expand(-1, -1, self.n_pos_axes)
         if self.pos_embed is not None:
             pos = tokens.positions[..., 0]
-            if int(pos.max()) >= self.max_len:
+            # positions counted here are below the sequence's length: the shape proves they fit, with no
+            # read of the device's data (a host sync on a GPU, a graph break under torch.compile)
+            if (positions is not None or x.shape[1] > self.max_len) and int(pos.max()) >= self.max_len:
                 raise ValueError(
                     f"position {int(pos.max())} is beyond max_len={self.max_len} of the text embedding"
                 )

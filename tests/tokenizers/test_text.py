@@ -88,6 +88,22 @@ def test_text_embedding_positions_count_from_the_first_real_token():
     assert (t.modality == 0).all()
     with pytest.raises(ValueError, match="beyond max_len=16"):
         emb(torch.zeros(1, 17, dtype=torch.long))
+    padded = torch.zeros(2, 17, dtype=torch.long), torch.arange(17).expand(2, -1) > 0  # 16 real ids
+    assert emb(*padded).positions[..., 0].max() == 15  # a batch longer than max_len whose ids fit
+    with pytest.raises(ValueError, match="position 16 is beyond max_len=16"):
+        emb(torch.zeros(1, 4, dtype=torch.long), positions=torch.tensor([[[0], [1], [2], [16]]]))
+
+
+def test_text_embedding_reads_no_device_data_when_the_length_proves_positions_fit():
+    """No host sync per step on a GPU: with positions it counts itself and a sequence no longer than
+    max_len, the forward traces whole (dynamo's fullgraph fails on any read of a tensor's value)."""
+    emb = TextEmbedding(50, 8, max_len=16)
+    ids, valid = (
+        torch.tensor([[0, 0, 5, 6], [5, 6, 7, 8]]),
+        torch.tensor([[False, False, True, True], [True] * 4]),
+    )
+    traced = torch.compile(lambda i, v: emb(i, v).x, backend="eager", fullgraph=True)
+    torch.testing.assert_close(traced(ids, valid), emb(ids, valid).x)
 
 
 def test_class_token_comes_first_at_position_zero_and_padding_changes_nothing():
