@@ -19,10 +19,10 @@ with its own torch and without Lightning, W&B or OmegaConf. It reports:
   6. the whole GPT-2-medium language model (355M parameters, vocab 50,257, tied head, 1,024 tokens) as
      ``mmformer train`` runs it (the LM head's chunked cross-entropy, fused AdamW, bf16 autocast): sdpa
      eager, sdpa with regional ``torch.compile`` (``compile_blocks``), flex with it, and sdpa with the
-     whole model compiled — step time, MFU, peak memory, compile time apart (issue 26's goal: ≥ 55 % of
-     the measured matmul peak).
-Attention TFLOP/s (3.) is timed forward-only and forward + backward at 4k, 8k and 16k tokens, head
-dims 64 and 128 (issue 26's goal: ≥ 450 TFLOP/s).
+     embedding and backbone compiled as one function — step time, MFU, peak memory, compile time apart
+     (issue 26's goal: ≥ 55 % of the measured matmul peak).
+Attention TFLOP/s (3.) is timed forward-only and forward + backward at 4k, 8k and 16k tokens with head
+dim 64, and at 16k with 128 (issue 26's goal: ≥ 450 TFLOP/s). Each section's wall time is in the JSON.
 Each section is guarded: a failure is recorded and the next section runs; the JSON is rewritten after
 every section, so a crash loses nothing already measured.
 """
@@ -53,7 +53,7 @@ SECTIONS = (
     "train_step",
 )
 # dense bf16 FLOP/s from NVIDIA's datasheets (no sparsity); MFU is reported against the measured peak too
-BF16_SPEC = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12}
+BF16_SPEC = {"NVL": 835e12, "H100 PCIe": 756e12, "H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
 def spec_peak(name: str) -> float | None:
@@ -69,7 +69,8 @@ def save() -> None:
 
 
 def section(name: str, fn, *args):
-    """Run one section; record an exception instead of stopping the script."""
+    """Run one section; record an exception instead of stopping the script, and its wall time."""
+    start = time.perf_counter()
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - one run on a borrowed GPU: keep going, report everything
@@ -77,6 +78,7 @@ def section(name: str, fn, *args):
         print(f"   [{name}] FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return None
     finally:
+        RESULTS.setdefault("section_seconds", {})[name] = round(time.perf_counter() - start, 1)
         save()
 
 
@@ -198,9 +200,10 @@ def check_flex(device: str, n: int) -> None:
         print(f"   MISMATCH {k}: {out[k]}")
 
 
-def attention_tflops(device: str, lengths: list[int], head_dims: list[int]) -> None:
+def attention_tflops(device: str, shapes: list[tuple[int, int]]) -> None:
     """Kernel-only timing (prebuilt q, k, v and block mask), forward alone and forward + backward: sdpa
-    causal, flex causal, flex over four equal documents. B·H·Dh = 2 × 2,048 at every head dim.
+    causal, flex causal, flex over four equal documents, at each ``(tokens, head dim)`` of ``shapes``.
+    B·H·Dh = 2 × 2,048 at every head dim.
 
     FLOPs (FlashAttention-2 paper's convention, Dao 2023 §4.1): forward 4·B·H·N²·Dh, halved when causal;
     backward 2.5× forward (so forward + backward 3.5×); four equal causal documents a quarter of causal.
@@ -208,45 +211,48 @@ def attention_tflops(device: str, lengths: list[int], head_dims: list[int]) -> N
     from mmformer.nn.attention import flex_attention
 
     rows = []
-    for dh in head_dims:
+    for n, dh in shapes:
         B, H = 2, 2048 // dh
-        for n in lengths:
-            q, k, v = (
-                torch.randn(B, H, n, dh, device=device, dtype=torch.bfloat16, requires_grad=True)
-                for _ in range(3)
+        q, k, v = (
+            torch.randn(B, H, n, dh, device=device, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        )
+        doc_mask = _masks(B, n, device)["documents"]
+        doc_mask = MaskSpec(causal=True, document=doc_mask.document)  # documents only, no padding
+        cases = {
+            "sdpa causal": lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True
             )
-            doc_mask = _masks(B, n, device)["documents"]
-            doc_mask = MaskSpec(causal=True, document=doc_mask.document)  # documents only, no padding
-            cases = {
-                "sdpa causal": lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=True
-                )
+        }
+        if device == "cuda":
+            causal_bm = MaskSpec(causal=True).block_mask(B, n, n, q.device)
+            doc_bm = doc_mask.block_mask(B, n, n, q.device)
+            cases["flex causal"] = lambda bm=causal_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
+            cases["flex documents"] = lambda bm=doc_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
+        for name, fn in cases.items():
+            forward = 4 * B * H * n * n * dh * 0.5 / (4 if name == "flex documents" else 1)
+            t_fwd = timed(fn, device, repeats=5)  # grad mode on: the same compiled graph as below
+            dout = torch.randn_like(q)  # made once: the timing holds the kernels' work only
+            t_both = timed(
+                lambda fn=fn, dout=dout, qkv=(q, k, v): torch.autograd.grad(fn(), qkv, dout),
+                device,
+                repeats=5,
+            )
+            row = {
+                "n": n,
+                "head_dim": dh,
+                "case": name,
+                "fwd_ms": t_fwd * 1e3,
+                "fwd_tflops": forward / t_fwd / 1e12,
+                "fwd_bwd_ms": t_both * 1e3,
+                "fwd_bwd_tflops": 3.5 * forward / t_both / 1e12,
             }
-            if device == "cuda":
-                causal_bm = MaskSpec(causal=True).block_mask(B, n, n, q.device)
-                doc_bm = doc_mask.block_mask(B, n, n, q.device)
-                cases["flex causal"] = lambda bm=causal_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
-                cases["flex documents"] = lambda bm=doc_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
-            for name, fn in cases.items():
-                forward = 4 * B * H * n * n * dh * 0.5 / (4 if name == "flex documents" else 1)
-                with torch.no_grad():
-                    t_fwd = timed(fn, device, repeats=5)
-                t_both = timed(lambda fn=fn: fn().sum().backward(), device, repeats=5)
-                row = {
-                    "n": n,
-                    "head_dim": dh,
-                    "case": name,
-                    "fwd_ms": t_fwd * 1e3,
-                    "fwd_tflops": forward / t_fwd / 1e12,
-                    "fwd_bwd_ms": t_both * 1e3,
-                    "fwd_bwd_tflops": 3.5 * forward / t_both / 1e12,
-                }
-                rows.append(row)
-                print(
-                    f"3. attention N={n:6d} Dh={dh:3d} {name:15s} forward {t_fwd * 1e3:7.2f} ms "
-                    f"{row['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd {t_both * 1e3:7.2f} ms "
-                    f"{row['fwd_bwd_tflops']:6.1f} TFLOP/s"
-                )
+            rows.append(row)
+            print(
+                f"3. attention N={n:6d} Dh={dh:3d} {name:15s} forward {t_fwd * 1e3:7.2f} ms "
+                f"{row['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd {t_both * 1e3:7.2f} ms "
+                f"{row['fwd_bwd_tflops']:6.1f} TFLOP/s"
+            )
     RESULTS["attention"] = rows
 
 
@@ -365,18 +371,29 @@ def backbone_sizes(big: bool) -> dict:
     )
 
 
+def lm_step_flops(backbone: torch.nn.Module, vocab_size: int, batch: int, n: int) -> float:
+    """Model FLOPs of one causal-LM training step (forward + backward) over ``batch × n`` tokens, PaLM's
+    convention (Chowdhery et al. 2022, App. B): per token 6·(non-embedding parameters + the head's V·D)
+    for the matrix products and 6·L·N·D for attention's two products (4·N·D per layer forward over all
+    keys, halved for causal, ×3 with the backward). Norms, activations and the embedding lookup are
+    not counted."""
+    d = backbone.d_model
+    n_layers = len(backbone.blocks)
+    params = sum(p.numel() for p in backbone.parameters())
+    return batch * n * (6 * (params + vocab_size * d) + 6 * n_layers * n * d)
+
+
 def gpt2_medium_mfu(device: str, peak: float, small: bool) -> None:
     """The whole GPT-2-medium language model's bf16 training step, as ``mmformer train`` runs it: token
     and learned position embeddings, 24 pre-norm causal blocks (d_model 1,024, 16 heads, GELU-tanh), the
     tied LM head's chunked cross-entropy (``LMHead.cross_entropy``, never holding the logits), fused
     AdamW, bf16 autocast over fp32 weights. Batch 8 × 1,024 tokens. One row per variant: sdpa eager,
     sdpa and flex with regional ``torch.compile`` (``compile_blocks``: one graph for every block, as
-    torchtitan compiles), and sdpa with the whole loss function compiled. Each variant's first step is
-    timed apart (compile time = first step − median step).
-
-    FLOPs per token (PaLM's convention, Chowdhery et al. 2022, App. B, the attention term halved for
-    causal): 6·(non-embedding parameters + the head's V·D) + 6·L·N·D. MFU against the measured bf16
-    matmul peak and against the datasheet's.
+    torchtitan compiles), and sdpa with ``model.encode`` (embedding + backbone) compiled as one function,
+    the chunked loss eager (compiled, ``LMHead.cross_entropy`` would take its full-logits path). Each
+    variant's first step is timed apart (compile time = first step − median step), its peak memory
+    counted from a clean start (the previous variant freed, compiled code included). FLOPs:
+    ``lm_step_flops``; MFU against the measured bf16 matmul peak and against the datasheet's.
     """
     import gc
 
@@ -393,7 +410,7 @@ def gpt2_medium_mfu(device: str, peak: float, small: bool) -> None:
         "sdpa, eager": ("sdpa", None),
         "sdpa, compile_blocks": ("sdpa", "blocks"),
         "flex, compile_blocks": ("flex", "blocks"),
-        "sdpa, compiled loss fn": ("sdpa", "whole"),
+        "sdpa, compiled encode": ("sdpa", "whole"),
     }
     rows = []
     for name, (kernel, compiled) in variants.items():
@@ -413,14 +430,13 @@ def gpt2_medium_mfu(device: str, peak: float, small: bool) -> None:
         model = MultimodalModel({"text": emb}, backbone, {"lm": head}).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
-        def loss_fn(model=model):
-            hidden, _ = model.encode("text", ids)
-            return model.heads["lm"].cross_entropy(hidden[:, :-1], ids[:, 1:])
-
+        encode = torch.compile(model.encode) if compiled == "whole" else model.encode
         if compiled == "blocks":
             compile_blocks(model)
-        elif compiled == "whole":
-            loss_fn = torch.compile(loss_fn)
+
+        def loss_fn(model=model, encode=encode):
+            hidden, _ = encode("text", ids)
+            return model.heads["lm"].cross_entropy(hidden[:, :-1], ids[:, 1:])
 
         def step(model=model, opt=opt, loss_fn=loss_fn):
             with torch.autocast(device, dtype=torch.bfloat16):
@@ -439,8 +455,7 @@ def gpt2_medium_mfu(device: str, peak: float, small: bool) -> None:
             row["first_loss"] = float(step())  # ln V ≈ 10.8 at initialisation
             first = time.perf_counter() - t0
             t = timed(step, device, repeats=10, warmup=2)
-            non_embedding = sum(p.numel() for p in model.backbone.parameters())
-            flops = batch * n * (6 * (non_embedding + V * d) + 6 * L * n * d)
+            flops = lm_step_flops(model.backbone, V, batch, n)
             row.update(
                 ms=t * 1e3,
                 tokens_per_s=batch * n / t,
@@ -465,10 +480,12 @@ def gpt2_medium_mfu(device: str, peak: float, small: bool) -> None:
         rows.append(row)
         RESULTS["gpt2_medium"] = rows
         save()
-        del model, opt, emb, head, backbone
+        del model, opt, emb, head, backbone, encode, loss_fn, step  # the closures hold the model too
+        torch._dynamo.reset()  # compiled blocks hold themselves in a cycle: free their code first
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+            row["left_allocated_gb"] = torch.cuda.memory_allocated() / 2**30  # ~0: nothing leaks
 
 
 def main() -> None:
@@ -496,8 +513,8 @@ def main() -> None:
     if "flex_vs_eager" in only:
         section("flex_vs_eager", check_flex, device, 1024 if big else 64)
     if "attention" in only:
-        lengths, head_dims = ([4096, 8192, 16384], [64, 128]) if big else ([128], [64])
-        section("attention", attention_tflops, device, lengths, head_dims)
+        shapes = [(4096, 64), (8192, 64), (16384, 64), (16384, 128)] if big else [(128, 64)]
+        section("attention", attention_tflops, device, shapes)
     peak = None
     if only & {"matmul_peak", "train_step", "gpt2_medium"}:
         peak = section("matmul_peak", matmul_peak, device, 8192 if big else 256)

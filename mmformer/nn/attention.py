@@ -229,6 +229,9 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod=None) 
             return flex(
                 q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1]
             )
+    if torch.compiler.is_compiling():  # inside a compiled region (a compiled block) flex compiles with it;
+        # caching torch.compile(flex) here would store dynamo's view of it, the uncompiled function
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex, dynamic=False)
     return _compiled_flex(
