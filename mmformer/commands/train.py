@@ -67,7 +67,7 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     check_loggers(recipe.logger)
 
     L.seed_everything(recipe.seed, workers=True, verbose=False)
-    run = open_run(recipe.name, recipe.resume)
+    run = open_run(recipe.name, recipe.resume, recipe_to_yaml(recipe))
     with exported(run):
         trainer = _fit(recipe, run, extra_callbacks, verbose)
     return trainer, run

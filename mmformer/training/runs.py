@@ -57,15 +57,33 @@ def _new_run_id() -> str:
     return dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def find_latest_resumable(name: str) -> Path | None:
+def find_latest_resumable(name: str, recipe_yaml: str | None = None) -> Path | None:
     """The newest ``last.ckpt`` among runs of recipe ``name`` (None: there is none, which is said). When
-    it is damaged, the newest intact checkpoint of the same run, which is said too.
+    it is damaged, the newest intact checkpoint of the same run, which is said too. Given the recipe
+    about to run (``recipe_yaml``), runs that trained another model (a ``model.*`` key differs from
+    their ``recipe.yaml``: another attention kernel, width, tokenizer …) are passed over, which is said:
+    resuming one would train its weights as a different model and mix two models in one run's record.
 
     Raises:
         CheckpointError: that run has no intact checkpoint (the message lists its checkpoints).
     """
     folder = runs_root() / name
     candidates = sorted(folder.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    passed_over = []
+    while recipe_yaml is not None and candidates:
+        changes = _model_changes(candidates[-1].parent.parent, recipe_yaml)
+        if not changes:
+            break
+        passed_over.append(
+            f"{candidates.pop().parent.parent.name} ({', '.join(changes[:3])}"
+            + (f", {len(changes) - 3} more" if len(changes) > 3 else "")
+            + ")"
+        )
+    if passed_over:
+        log.warning(
+            f"resume=auto: not resuming {'; '.join(passed_over)}: another model than this recipe's "
+            "(resume=PATH continues one anyway)"
+        )
     if not candidates:
         return None
     last = candidates[-1]
@@ -87,6 +105,15 @@ def find_latest_resumable(name: str) -> Path | None:
     )
 
 
+def _model_changes(run_dir: Path, recipe_yaml: str) -> list[str]:
+    """The ``model.*`` lines of :func:`recipe_changes` between the recipe ``run_dir`` started with and
+    ``recipe_yaml`` (none when the run kept no ``recipe.yaml``: nothing to compare)."""
+    first = run_dir / "recipe.yaml"
+    if not first.is_file():
+        return []
+    return [c for c in recipe_changes(first.read_text(), recipe_yaml) if c.startswith("model.")]
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """What keeps ``path`` from being resumed ("is truncated (…)", "is not an mmformer training
     checkpoint …"), or None for an intact mmformer checkpoint. Cheap: a file's tensors are mapped, not read."""
@@ -104,12 +131,13 @@ def check_resumable(path: Path) -> None:
         raise CheckpointError(f"{path} {NOT_MMFORMER}")
 
 
-def open_run(name: str, resume: str | None) -> Run:
+def open_run(name: str, resume: str | None, recipe_yaml: str | None = None) -> Run:
     """Create (or, for ``resume``, reopen) the run folder and agree on it across processes.
 
-    ``resume``: ``None`` (new run), ``"auto"`` (newest ``last.ckpt`` of this recipe name, else a new run;
-    a damaged one falls back to the newest intact checkpoint of its run) or a checkpoint path (its run
-    folder is reused when it lies inside one).
+    ``resume``: ``None`` (new run), ``"auto"`` (newest ``last.ckpt`` of this recipe name whose run
+    trained the model of ``recipe_yaml``, when given; else a new run; a damaged one falls back to the
+    newest intact checkpoint of its run) or a checkpoint path (its run folder is reused when it lies
+    inside one).
 
     Raises:
         FileNotFoundError: ``resume`` names a checkpoint that does not exist.
@@ -123,7 +151,7 @@ def open_run(name: str, resume: str | None) -> Run:
     else:
         resume_from = None
         if resume == "auto":
-            resume_from = find_latest_resumable(name)
+            resume_from = find_latest_resumable(name, recipe_yaml)
         elif resume:
             resume_from = Path(resume)
             if not (resume_from.is_file() or is_sharded(resume_from)):
@@ -165,6 +193,8 @@ def _nothing_to_resume(name: str) -> str:
     """Why ``resume=auto`` found nothing: no ``last.ckpt`` under the recipe's runs, and what is there
     instead (another checkpoint to name with ``resume=PATH``; a temporary file a killed save left)."""
     folder = runs_root() / name
+    if any(folder.glob("*/checkpoints/last.ckpt")):  # passed over: their models differ (said before)
+        return f"no run of recipe {name!r} under {folder} trained this recipe's model"
     found = sorted(folder.glob("*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
     unfinished = sorted(folder.glob("*/checkpoints/.*.tmp"))
     notes = [f"resume={found[-1]} continues from the newest checkpoint there"] if found else []
