@@ -4,13 +4,19 @@ load, naming the kernels that have it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from mmformer.nn import Attention, MaskSpec
 from mmformer.nn.kernels import KERNEL_CLASSES, supporting
-from mmformer.recipe import RecipeError, recipe_from_yaml
+from mmformer.recipe import RecipeError, load_recipe, recipe_from_yaml
 from tests.multitask.test_joint_training import JOINT
+
+LISTOPS = (
+    Path(__file__).resolve().parents[1] / "recipes" / "long_context" / "lra_listops.yaml"
+)  # a classifier
 
 
 def _joint(**kw) -> str:
@@ -39,6 +45,37 @@ def test_kernel_options_are_checked_by_name():
         )
     with pytest.raises(RecipeError, match="positions alibi"):
         recipe_from_yaml(text, ["model.backbone.attn_kernel=lsh", "model.backbone.positions=alibi"])
+
+
+def test_kernel_option_values_and_needs_are_refused_at_load_naming_the_fix():
+    """Values a kernel's constructor refuses, an option that needs a mask the recipe does not use, and
+    the papers' names for kernels: one-line recipe errors at load, never a traceback at the first step."""
+
+    def refused(*overrides: str) -> str:
+        with pytest.raises(RecipeError) as e:
+            load_recipe(LISTOPS, list(overrides))
+        return str(e.value)
+
+    assert "n_buckets must be 1 or even" in refused(
+        "model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={n_buckets: 3}"
+    )
+    assert "kernel 'aft_full' needs the option 'max_len'" in refused("model.backbone.attn_kernel=aft_full")
+    gate = ["model.backbone.attn_kernel=rfa", "model.backbone.kernel_options={gate: true}"]
+    assert refused(*gate) == (
+        "'model.backbone.kernel_options': rfa with {'gate': True} needs causal attention, which this recipe "
+        "does not use (set model.backbone.causal: true, or drop the option)"
+    )
+    load_recipe(LISTOPS, [*gate, "model.backbone.causal=true"])  # RFA-Gate in a causal backbone
+    assert "its random feature count is model.backbone.performer_features" in refused(
+        "model.backbone.attn_kernel=performer", "model.backbone.kernel_options={n_features: 64}"
+    )
+    assert "Did you mean 'lsh' (the Reformer's LSH attention" in refused(
+        "model.backbone.attn_kernel=Reformer"
+    )
+    split = refused("model.backbone.kernel_options={n_buckets:")  # `key={n_buckets: 8}` unquoted in a shell
+    assert split.endswith(
+        "the shell split it at a space: quote the whole override, 'model.backbone.kernel_options={n_buckets: …'"
+    )
 
 
 def test_every_registered_kernel_declares_what_it_implements():

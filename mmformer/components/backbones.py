@@ -22,12 +22,22 @@ from ..models.backbone_config import (
 )
 from ..models.presets import preset
 from ..nn.attention import KERNELS, SDPA_BACKENDS
-from ..nn.kernels import check_options, kernel_rules, supporting, takes_score_bias
+from ..nn.kernels import check_options, kernel_needs, kernel_rules, supporting, takes_score_bias
 from ..nn.mlp import ACTIVATIONS
 from ..nn.norms import NORMS
 from ..nn.tokens import MODALITY_IDS
 from ..registry import register
 from .context import BuildContext
+
+# the papers' names for what mmformer spells otherwise (attn_kernel typos that are no typo)
+PAPER_NAMES = {
+    "reformer": " Did you mean 'lsh' (the Reformer's LSH attention; reversible: true for its blocks)?",
+    "aft": " Did you mean 'aft_full', 'aft_local' or 'aft_simple' (the Attention-Free Transformer)?",
+    "bigbird": " BigBird is a mask for the softmax kernels: set bigbird_block (and bigbird_window, …).",
+    "longformer": " A sliding window is a mask for any kernel that implements it: set window (in tokens).",
+    "local": " A sliding window is a mask for any kernel that implements it: set window (in tokens).",
+    "flash": " FlashAttention runs inside 'sdpa' on CUDA (sdpa_backend: flash forces it).",
+}
 
 
 @dataclass
@@ -97,9 +107,11 @@ class BackboneConfig:
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.attn_kernel not in KERNELS:
-            hint = did_you_mean(self.attn_kernel, KERNELS, quote="'")
+            hint = PAPER_NAMES.get(self.attn_kernel.lower()) or did_you_mean(
+                self.attn_kernel, KERNELS, quote="'"
+            )
             raise ValueError(f"attn_kernel={self.attn_kernel!r}.{hint} Choose from {', '.join(KERNELS)}")
-        check_options(self.attn_kernel, dict(self.kernel_options))
+        check_options(self.attn_kernel, dict(self.kernel_options), self.n_heads, self.d_model // self.n_heads)
         for name, allowed in (
             ("block", BLOCKS),
             ("norm", NORMS),
@@ -150,6 +162,13 @@ class BackboneConfig:
             raise RecipeError(
                 f"'{where}.attn_kernel': {self.attn_kernel} takes no score bias, which positions "
                 f"{self.positions} adds; use positions rope or none with it, or kernel eager, sdpa or flex"
+            )
+        lacking = kernel_needs(self.attn_kernel, dict(self.kernel_options)) - needs
+        if lacking:
+            raise RecipeError(
+                f"'{where}.kernel_options': {self.attn_kernel} with {dict(self.kernel_options)} needs "
+                f"{', '.join(sorted(lacking))} attention, which this recipe does not use (set "
+                f"{where}.causal: true, or drop the option)"
             )
         missing = needs - kernel_rules(self.attn_kernel)
         if missing:

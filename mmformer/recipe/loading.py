@@ -208,8 +208,10 @@ def _parse_override(item: str, cfg: DictConfig) -> tuple[str, Any]:
     try:
         return key, override_value(text, cfg, _key_path(key))
     except yaml.YAMLError as e:
+        split = text.count("{") > text.count("}") or text.count("[") > text.count("]")
+        hint = f"; the shell split it at a space: quote the whole override, '{key}={text} …'" if split else ""
         raise RecipeError(
-            f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]})"
+            f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}){hint}"
         ) from None
 
 

@@ -22,6 +22,7 @@ import difflib
 import inspect
 from typing import ClassVar
 
+import torch
 from torch import Tensor, nn
 
 from ..masks import MaskSpec
@@ -58,6 +59,11 @@ class AttentionKernel(nn.Module):
     def __init__(self, n_heads: int, head_dim: int):
         super().__init__()
         self.n_heads, self.head_dim = n_heads, head_dim
+
+    @classmethod
+    def needs(cls, options: dict) -> frozenset[str]:
+        """Mask rules the kernel built with ``options`` cannot run without (RFA-Gate: ``causal``)."""
+        return frozenset()
 
     def check(self, mask: MaskSpec) -> None:
         """Raises ``ValueError`` when ``mask`` uses a rule this kernel does not implement."""
@@ -106,9 +112,10 @@ def takes_score_bias(name: str) -> bool:
     return name == "auto" or name in SOFTMAX_KERNELS
 
 
-def check_options(name: str, options: dict) -> None:
-    """Raises ``ValueError`` for options kernel ``name`` does not take (with a did-you-mean), or any
-    options for a kernel that takes none."""
+def check_options(name: str, options: dict, n_heads: int = 1, head_dim: int = 2) -> None:
+    """Raises ``ValueError`` for options kernel ``name`` does not take (with a did-you-mean), any options
+    for a kernel that takes none, and values its constructor refuses (it runs on the meta device:
+    nothing is allocated), so a recipe is refused at load rather than at its first step."""
     cls = KERNEL_CLASSES.get(name)
     allowed = [] if cls is None else list(inspect.signature(cls.__init__).parameters)[3:]
     for key in options:
@@ -116,7 +123,18 @@ def check_options(name: str, options: dict) -> None:
             close = difflib.get_close_matches(key, allowed, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+            if name == "performer":
+                takes += ": its random feature count is model.backbone.performer_features"
             raise ValueError(f"kernel {name!r} has no option {key!r}.{hint} ({takes})")
+    if cls is not None:
+        with torch.device("meta"):
+            cls(n_heads, head_dim, **options)
+
+
+def kernel_needs(name: str, options: dict) -> frozenset[str]:
+    """Mask rules kernel ``name`` with ``options`` cannot run without (``AttentionKernel.needs``)."""
+    cls = KERNEL_CLASSES.get(name)
+    return frozenset() if cls is None else cls.needs(options)
 
 
 def build_kernel(name: str, n_heads: int, head_dim: int, options: dict | None = None) -> AttentionKernel:

@@ -205,6 +205,10 @@ class RFAKernel(AttentionKernel):
             self.gate_bias = nn.Parameter(torch.empty(n_heads))  # (H,)
             self.init_weights()
 
+    @classmethod
+    def needs(cls, options: dict) -> frozenset[str]:
+        return frozenset({"causal"}) if options.get("gate") else frozenset()
+
     def init_weights(self) -> None:
         """Gates start alike for every token (zero weight) at ``g = sigmoid(3) ≈ 0.95``: a recency window of
         ~20 tokens that training can widen or narrow (the paper gives no initialisation)."""
