@@ -7,6 +7,7 @@ Its modality is ``ids``: a task reads the batch's ``ids`` / ``ids_valid`` (``dat
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -16,6 +17,8 @@ from ..errors import RecipeError, positive
 from ..registry import register
 from ..tokenizers.text import TextEmbedding
 from .context import BuildContext
+
+log = logging.getLogger("mmformer")
 
 
 @dataclass
@@ -34,7 +37,16 @@ class TokenIdsConfig:
         positive(self, "vocab_size", "max_len")
 
     def check(self, recipe, where: str) -> None:
+        """Refuses data other than token sequences; warns when the model gets no position information
+        (no ``max_len`` here and ``positions: none`` in the backbone): the ids are then a set, their order
+        lost — right for a bag-of-ids baseline, a silent failure for ListOps or Pathfinder."""
         name = where.rsplit(".", 1)[-1]
+        if self.max_len is None and getattr(recipe.model.backbone, "positions", None) == "none":
+            log.warning(
+                f"'{where}.max_len' is null and 'model.backbone.positions' is none: the model sees no "
+                "position, so the order of the ids is lost; set max_len (learned positions) or "
+                "model.backbone.positions (rope, alibi, …)"
+            )
         for task_name, task in recipe.tasks.items():
             if task.tokenizer == name and task.data.kind != "sequences":
                 raise RecipeError(

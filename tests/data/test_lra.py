@@ -8,6 +8,7 @@ padding invariant, and the rules a recipe must keep."""
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from collections import deque
 from pathlib import Path
@@ -288,6 +289,19 @@ def test_batches_and_padding_change_nothing(listops, tmp_path, kernel, pool):
         for i, it in enumerate(items):
             alone = model(it["ids"][None], "ids", "cls", valid=torch.ones(1, lengths[i], dtype=torch.bool))
             torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-4)
+
+
+def test_a_model_without_any_position_is_warned_about(tmp_path, caplog):
+    """max_len null with positions none: the ids are a set to the model (legal for a bag-of-ids
+    baseline, a silent failure for ListOps), so loading says so, naming both keys."""
+    with caplog.at_level(logging.WARNING, logger="mmformer"):
+        tiny_recipe(tmp_path, root="listops", max_len="null")
+    (line,) = [r.getMessage() for r in caplog.records if "sees no position" in r.getMessage()]
+    assert line.startswith("'model.tokenizers.ids.max_len' is null and 'model.backbone.positions' is none")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mmformer"):
+        tiny_recipe(tmp_path, root="listops", max_len=64)
+    assert not [r for r in caplog.records if "sees no position" in r.getMessage()]
 
 
 def test_recipe_rules(listops, tmp_path):
