@@ -198,7 +198,9 @@ def baselines(tasks: list[str], firsts: tuple[int, ...] = (1, 2, 3)) -> None:
         print(f"| {task} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
 
 
-def speed(lengths: list[int], kernels: list[str], steps: int) -> None:
+def speed(lengths: list[int], kernels: list[str], steps: int, extra: list[str]) -> None:
+    """Table 2: training steps/s and peak memory of the Text recipe cut to each length, per kernel (ratios
+    to the first kernel), with the recipe overrides ``extra`` (e.g. ``trainer.threads=1``)."""
     print("| kernel | " + " | ".join(f"{n} steps/s | {n} training MB" for n in lengths) + " |")
     print("|---|" + "---|---|" * len(lengths))
     base: dict[int, tuple[float, float]] = {}
@@ -213,7 +215,7 @@ def speed(lengths: list[int], kernels: list[str], steps: int) -> None:
                     f"tasks.text.data.max_len={n}",
                     "tasks.text.data.bucket_by_length=false",
                 ]
-                r = train(RECIPES["text"], [*KERNELS[kernel], *budget], Path(runs))
+                r = train(RECIPES["text"], [*KERNELS[kernel], *budget, *extra], Path(runs))
             if "error" in r:
                 cells += [f"error: {r['error'][:50]}", ""]
                 continue
@@ -243,20 +245,22 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="accuracy: a recipe override for every run (repeatable), e.g. trainer.threads=1",
+        help="accuracy, speed: a recipe override for every run (repeatable), e.g. trainer.threads=1",
     )
     p.add_argument("--jobs", type=int, default=1, help="accuracy: runs at a time (give each trainer.threads)")
     p.add_argument(
         "--out", type=Path, default=None, help="accuracy: append each finished run here (JSON lines)"
     )
     a = p.parse_args()
+    a.out = a.out.resolve() if a.out else None
+    os.chdir(ROOT)  # data roots resolve as the runs' (started in the repository) do, from any folder
     kernels = a.kernels.split(",")
     if a.mode == "baselines":
         baselines(a.tasks.split(","))
     elif a.mode == "accuracy":
         accuracy(a.tasks.split(","), kernels, a.steps, a.set, a.jobs, a.out)
     else:
-        speed([int(n) for n in a.lengths.split(",")], kernels, a.steps or 4)
+        speed([int(n) for n in a.lengths.split(",")], kernels, a.steps or 4, a.set)
 
 
 if __name__ == "__main__":

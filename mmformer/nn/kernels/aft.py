@@ -66,7 +66,7 @@ def _check_shapes(name: str, q: Tensor, k: Tensor, mask: MaskSpec, max_len: int 
     if max_len is not None and max(n_q, n_k) > max_len:
         raise ValueError(
             f"{name} holds position biases for max_len={max_len} tokens, got {max(n_q, n_k)}: "
-            f"build it with a larger max_len"
+            "raise its max_len option (recipes: model.backbone.kernel_options.max_len)"
         )
 
 
