@@ -88,13 +88,17 @@ class MaskSpec:
     ) -> MaskSpec:
         """Drop rules that allow everything, so kernels can take their fast path.
 
-        ``valid.all()`` and the document / span checks sync with the device once per forward.
-        Raises ``TypeError`` when ``valid`` is not bool.
+        The three checks (every token valid, one document, any span) are read from the device together:
+        one host sync per forward. Raises ``TypeError`` when ``valid`` is not bool.
         """
         require_bool(valid, "valid")
-        keep_valid = None if bool(valid.all()) else valid
-        keep_doc = None if bool((document == document[:, :1]).all()) else document
-        keep_span = span if causal and span is not None and bool((span > 0).any()) else None
+        checks = [valid.all(), (document == document[:, :1]).all()]
+        if causal and span is not None:
+            checks.append((span > 0).any())
+        all_valid, one_document, *any_span = torch.stack(checks).tolist()
+        keep_valid = None if all_valid else valid
+        keep_doc = None if one_document else document
+        keep_span = span if any_span and any_span[0] else None
         return cls(
             causal=causal,
             valid=keep_valid,
