@@ -74,8 +74,13 @@ def describe_model(model, recipe) -> list[str]:
                 if not hasattr(tok, "vocab_size")
                 else f"sequence of {tok.example_input(1).shape[1]} tokens"
             )
+            example = (
+                "; an example length: the tokenizer sets no max_len"
+                if getattr(tok, "max_len", 0) is None
+                else ""
+            )
             lines.append(
-                f"FLOPs per {what} ({name}): forward {flops['forward'] / 1e6:,.1f} M, "
+                f"FLOPs per {what} ({name}{example}): forward {flops['forward'] / 1e6:,.1f} M, "
                 f"train step (fwd+bwd) {flops['train'] / 1e6:,.1f} M"
             )
     return lines
