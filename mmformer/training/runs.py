@@ -106,12 +106,14 @@ def find_latest_resumable(name: str, recipe_yaml: str | None = None) -> Path | N
 
 
 def _model_changes(run_dir: Path, recipe_yaml: str) -> list[str]:
-    """The ``model.*`` lines of :func:`recipe_changes` between the recipe ``run_dir`` started with and
-    ``recipe_yaml`` (none when the run kept no ``recipe.yaml``: nothing to compare)."""
+    """``key: old → new`` for the ``model.*`` keys of the recipe ``run_dir`` started with whose value
+    ``recipe_yaml`` changes (none when the run kept no ``recipe.yaml``). Keys the run's recipe lacks are
+    not compared: a newer mmformer adds keys with defaults, and its user must still resume."""
     first = run_dir / "recipe.yaml"
     if not first.is_file():
         return []
-    return [c for c in recipe_changes(first.read_text(), recipe_yaml) if c.startswith("model.")]
+    a, b = _flat_recipe(first.read_text()), _flat_recipe(recipe_yaml)
+    return [f"{k}: {a[k]!r} → {b.get(k)!r}" for k in sorted(a) if k.startswith("model.") and a[k] != b.get(k)]
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -268,8 +270,8 @@ def _git(folder: Path, *args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def recipe_changes(old_yaml: str, new_yaml: str) -> list[str]:
-    """``key: old → new`` lines for the leaves that differ between two recipes (``resume`` ignored)."""
+def _flat_recipe(text: str) -> dict:
+    """``{"a.b.c": leaf}`` of a recipe's YAML."""
     import yaml
 
     def flat(d, prefix=""):
@@ -279,7 +281,12 @@ def recipe_changes(old_yaml: str, new_yaml: str) -> list[str]:
             out.update(flat(v, key + ".") if isinstance(v, dict) else {key: v})
         return out
 
-    a, b = flat(yaml.safe_load(old_yaml)), flat(yaml.safe_load(new_yaml))
+    return flat(yaml.safe_load(text))
+
+
+def recipe_changes(old_yaml: str, new_yaml: str) -> list[str]:
+    """``key: old → new`` lines for the leaves that differ between two recipes (``resume`` ignored)."""
+    a, b = _flat_recipe(old_yaml), _flat_recipe(new_yaml)
     return [
         f"{k}: {a.get(k)!r} → {b.get(k)!r}"
         for k in sorted(set(a) | set(b))

@@ -380,6 +380,9 @@ def test_resume_auto_passes_over_runs_of_another_model_and_says_so(workdir, mmfo
     assert mmformer_log[1].startswith("resume=auto: no run of recipe 'tiny' under ")
     assert mmformer_log[1].endswith(f"trained this recipe's model; starting a new run in {run.dir}")
     assert open_run("tiny", "auto").resume_from == runs["lsh"] / "last.ckpt"  # no recipe: the newest
+    mmformer_log.clear()  # a key the run's recipe lacks (a newer mmformer's, at its default) is no change
+    newer = "name: tiny\nmodel:\n  backbone: {attn_kernel: lsh, d_model: 8, qk_norm: false}\n"
+    assert open_run("tiny", "auto", newer).resume_from == runs["lsh"] / "last.ckpt" and not mmformer_log
 
 
 def test_resume_auto_stops_and_lists_the_checkpoints_when_none_is_intact(workdir):
