@@ -222,6 +222,11 @@ def test_kjv_pairs_are_labelled_by_their_books(kjv_root, tmp_path, monkeypatch):
             assert label == int(a == b)
             if label:
                 assert first not in second and second not in first
+        shown = [json.loads(line) for line in (tmp_path / f"{split}-sample.jsonl").read_text().splitlines()]
+        assert len(shown) == min(20, len(rows))  # the first pairs, as stored, with their books
+        for row, (ids, label), (a, b) in zip(shown, rows, pair_books):
+            assert row["books"] == [names[a], names[b]] and row["label"] == ["different", "same"][label]
+            assert list(ids) == [*row["a"].encode(), 256, *row["b"].encode()]
 
 
 def test_kjv_sets_are_reproducible(kjv_root, tmp_path, monkeypatch):
@@ -368,3 +373,32 @@ def test_bundled_names_and_their_sources():
     ):
         assert name in BUNDLED
     assert BUNDLED["kjv-books"].needs == BUNDLED["kjv-pairs"].needs == ("bible",)
+
+
+def test_mnist5k_pixels_are_the_mnist5k_digits_row_major(tmp_path, monkeypatch):
+    """Every sequence is one mnist5k image's grey levels, row-major, with its class; the sample PNG is
+    the first stored images side by side."""
+    from PIL import Image
+
+    from mmformer.data.lra import build_mnist5k_pixels
+    from mmformer.data.prepare import prepare
+
+    monkeypatch.setenv("MMFORMER_DATA", str(tmp_path / "data"))
+    digits = prepare("mnist5k")
+    (tmp_path / "px").mkdir()
+    build_mnist5k_pixels(tmp_path / "px")
+    meta = read_meta(tmp_path / "px")
+    assert meta["max_len"] == 784 and meta["splits"] == {"train": 4500, "val": 500}
+    tokens, offsets, labels = read_split(tmp_path / "px", "val", meta)
+    rows = [(tokens[offsets[i] : offsets[i + 1]], int(labels[i])) for i in range(len(labels))]
+    images = {}
+    for path in (digits / "val").glob("*/*.png"):
+        images.setdefault(np.asarray(Image.open(path).convert("L"), np.uint8).tobytes(), set()).add(
+            path.parent.name
+        )
+    for ids, label in rows:
+        assert meta["classes"][label] in images[ids.astype(np.uint8).tobytes()]  # a real digit, its class
+    assert len({ids.astype(np.uint8).tobytes() for ids, _ in rows}) == len(images) == 500
+    grid = np.asarray(Image.open(tmp_path / "px" / "val-sample.png"))
+    assert grid.shape == (28, 8 * 28)
+    assert np.array_equal(grid[:, :28].reshape(-1), rows[0][0])

@@ -158,12 +158,15 @@ def build_kjv_books(out: Path, per_class: dict[str, int] | None = None, seed: in
 
 def build_kjv_pairs(out: Path, pairs: dict[str, int] | None = None, seed: int = 0) -> None:
     """``kjv-pairs``: two passages of 1,024–2,047 bytes joined by ``SEPARATOR`` → 1 when they come from
-    the same book, 0 otherwise (balanced; a negative's two books are a random pair of distinct books)."""
+    the same book, 0 otherwise (balanced; a negative's two books are a random pair of distinct books).
+    ``<split>-sample.jsonl`` shows the first 20 pairs of each split as text with their books."""
+    import json
+
     pairs = pairs or {"train": 4000, "val": 500, "test": 500}
     runs = book_runs(_kjv_root(), seed)
     rng = np.random.default_rng([seed, 2])
     for split in SPLITS:
-        seqs, labels, books = [], [], []
+        seqs, labels, books, rows = [], [], [], []
         drawn = rng.permutation(np.arange(pairs[split]) % 2)
         for label in progress(drawn, f"kjv-pairs: {split}", unit="pair"):
             a, b = (int(i) for i in rng.choice(len(BOOKS), size=2, replace=False))
@@ -181,7 +184,16 @@ def build_kjv_pairs(out: Path, pairs: dict[str, int] | None = None, seed: int = 
             )
             labels.append(int(label))
             books.append((a, b))
+            if len(rows) < 20:
+                texts = {"a": text_a.decode("utf-8"), "b": text_b.decode("utf-8")}
+                rows.append(
+                    json.dumps(
+                        {**texts, "books": [BOOKS[a], BOOKS[b]], "label": ["different", "same"][int(label)]},
+                        ensure_ascii=False,
+                    )
+                )
         write_split(out, split, seqs, labels)
+        (out / f"{split}-sample.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
         np.save(out / f"{split}-books.npy", np.asarray(books, dtype=np.int64))
     write_meta(
         out,
@@ -200,5 +212,6 @@ def build_kjv_pairs(out: Path, pairs: dict[str, int] | None = None, seed: int = 
         f"when both come from the same one of {len(BOOKS)} books, 0 (different) otherwise; balanced; "
         f"{pairs['train']:,} / {pairs['val']:,} / {pairs['test']:,} pairs in train / val / test, from the "
         "same disjoint chapter blocks as kjv-books. <split>-books.npy holds each pair's two book indices "
-        "(meta.json's books). Unlike LRA's two-tower model, a pair is read as ONE sequence.\n"
+        "(meta.json's books); <split>-sample.jsonl shows the first 20 pairs of each split as text. Unlike "
+        "LRA's two-tower model, a pair is read as ONE sequence.\n"
     )

@@ -33,7 +33,10 @@ def read_gray_folder(root: Path, split: str) -> tuple[list[np.ndarray], list[int
 
 def build_mnist5k_pixels(out: Path) -> None:
     """``mnist5k`` (prepared first when missing) → pixel sequences of 784 ids, ``train`` 4,500 / ``val``
-    500 as there (stratified, seed 0); ``mmformer.data.sequences`` format."""
+    500 as there (stratified, seed 0); ``mmformer.data.sequences`` format; the first 8 images of each
+    split, as stored, in ``<split>-sample.png``."""
+    from PIL import Image
+
     root = resolve_root("mnist5k")
     counts, classes = {}, None
     rng = np.random.default_rng(0)
@@ -44,6 +47,8 @@ def build_mnist5k_pixels(out: Path) -> None:
         classes = names
         order = rng.permutation(len(images))  # stored shuffled: a reader taking the first n sees every class
         write_split(out, split, [images[i] for i in order], [labels[i] for i in order])
+        grid = np.concatenate([np.asarray(images[i], np.uint8).reshape(28, 28) for i in order[:8]], 1)
+        Image.fromarray(grid, mode="L").save(out / f"{split}-sample.png")
         counts[split] = len(images)
     write_meta(
         out,
@@ -57,5 +62,6 @@ def build_mnist5k_pixels(out: Path) -> None:
     (out / "README.md").write_text(
         "MNIST digits as pixel sequences (mmformer/data/lra/pixels.py), LRA's 'Image' task on data that "
         "installs offline (LRA uses greyscale CIFAR-10, 1,024 pixels): 784 grey levels per image, row-major; "
-        f"{counts['train']:,} train / {counts['val']:,} val, the split of mnist5k.\n"
+        f"{counts['train']:,} train / {counts['val']:,} val, the split of mnist5k; <split>-sample.png shows "
+        "the first 8 images of each split as stored.\n"
     )
