@@ -50,6 +50,9 @@ def resolve_root(root: str, prepare_missing: bool = True) -> Path:
         return path
     where = "" if path.is_absolute() else f" (relative to the current directory {Path.cwd()})"
     msg = f"data root {str(path)!r} does not exist{where}"
+    under = data_root() / path
+    if not path.is_absolute() and under.exists():  # a folder beside the bundled sets, named relatively
+        msg += f". {str(under)!r} exists: only bundled names resolve under the data root; give that path"
     close = difflib.get_close_matches(path.name, BUNDLED, n=1, cutoff=0.6)
     if close:
         msg += (

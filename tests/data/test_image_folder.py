@@ -47,6 +47,19 @@ def test_missing_path_names_it(tmp_path):
         resolve_root(str(tmp_path / "nowhere"))
 
 
+def test_a_relative_root_under_the_data_root_is_named(tmp_path, monkeypatch):
+    """Only bundled names resolve under MMFORMER_DATA; a relative path that exists there is pointed at."""
+    monkeypatch.setenv("MMFORMER_DATA", str(tmp_path / "store"))
+    (tmp_path / "store" / "my_set").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataNotFoundError) as e:
+        resolve_root("my_set")
+    assert str(e.value) == (
+        f"data root 'my_set' does not exist (relative to the current directory {tmp_path}). "
+        f"'{tmp_path / 'store' / 'my_set'}' exists: only bundled names resolve under the data root; give that path"
+    )
+
+
 def test_path_that_looks_bundled_suggests_prepare(tmp_path, monkeypatch):
     monkeypatch.setenv("MMFORMER_DATA", str(tmp_path))
     with pytest.raises(DataNotFoundError, match="mmformer data prepare mnist5k"):
