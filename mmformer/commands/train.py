@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from functools import partial
 
 import lightning as L
 from lightning.pytorch.accelerators import CPUAccelerator
@@ -12,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ..build import BuildContext, build_datamodule, build_module, build_trainer
 from ..recipe import load_recipe, recipe_to_yaml
 from ..recipe.defaults import non_defaults_yaml
+from ..recipe.model_changes import model_changes
 from ..training.callbacks import LastValidationStep
 from ..training.cpu_bf16 import bf16_hint
 from ..training.loggers import check_loggers, finish_loggers, wandb_run_url, wandb_sync_command
@@ -67,7 +69,7 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     check_loggers(recipe.logger)
 
     L.seed_everything(recipe.seed, workers=True, verbose=False)
-    run = open_run(recipe.name, recipe.resume, recipe_to_yaml(recipe))
+    run = open_run(recipe.name, recipe.resume, partial(model_changes, recipe=recipe))
     with exported(run):
         trainer = _fit(recipe, run, extra_callbacks, verbose)
     return trainer, run

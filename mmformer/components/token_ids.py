@@ -38,10 +38,16 @@ class TokenIdsConfig:
 
     def check(self, recipe, where: str) -> None:
         """Refuses data other than token sequences; warns when the model gets no position information
-        (no ``max_len`` here and ``positions: none`` in the backbone): the ids are then a set, their order
-        lost — right for a bag-of-ids baseline, a silent failure for ListOps or Pathfinder."""
+        (no ``max_len`` here, ``positions: none`` in a bidirectional backbone without AFT's position
+        biases): the ids are then a set, their order lost — right for a bag-of-ids baseline, a silent
+        failure for ListOps or Pathfinder."""
         name = where.rsplit(".", 1)[-1]
-        if self.max_len is None and getattr(recipe.model.backbone, "positions", None) == "none":
+        backbone = recipe.model.backbone
+        order_free = (  # causal attention and AFT's position biases tell order without any positions
+            getattr(backbone, "causal", True)
+            or getattr(backbone, "attn_kernel", "") in ("aft_full", "aft_local")
+        )
+        if self.max_len is None and getattr(backbone, "positions", None) == "none" and not order_free:
             log.warning(
                 f"'{where}.max_len' is null and 'model.backbone.positions' is none: the model sees no "
                 "position, so the order of the ids is lost; set max_len (learned positions) or "

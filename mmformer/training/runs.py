@@ -16,7 +16,7 @@ import logging
 import os
 import secrets
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,8 @@ from .checkpoint_io import NOT_MMFORMER, CheckpointError, carries_recipe, write_
 from .sharded import is_sharded, read_meta
 
 log = logging.getLogger("mmformer")
+# a run's saved recipe (YAML text) → "key: old → new" for each way its model differs from the one to train
+ModelChanges = Callable[[str], list[str]]
 
 RUN_ID_ENV, RESUME_ENV = "MMFORMER_RUN_ID", "MMFORMER_RESUME_PATH"
 
@@ -57,12 +59,13 @@ def _new_run_id() -> str:
     return dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def find_latest_resumable(name: str, recipe_yaml: str | None = None) -> Path | None:
+def find_latest_resumable(name: str, model_changes: ModelChanges | None = None) -> Path | None:
     """The newest ``last.ckpt`` among runs of recipe ``name`` (None: there is none, which is said). When
-    it is damaged, the newest intact checkpoint of the same run, which is said too. Given the recipe
-    about to run (``recipe_yaml``), runs that trained another model (a ``model.*`` key differs from
-    their ``recipe.yaml``: another attention kernel, width, tokenizer …) are passed over, which is said:
-    resuming one would train its weights as a different model and mix two models in one run's record.
+    it is damaged, the newest intact checkpoint of the same run, which is said too. Given
+    ``model_changes`` (what differs between a run's recipe, :func:`latest_recipe_yaml`, and the model
+    about to train: ``recipe.model_changes``), runs that trained another model (another attention kernel,
+    width, tokenizer …) are passed over, which is said: resuming one would train its weights as a
+    different model and mix two models in one run's record.
 
     Raises:
         CheckpointError: that run has no intact checkpoint (the message lists its checkpoints).
@@ -70,8 +73,9 @@ def find_latest_resumable(name: str, recipe_yaml: str | None = None) -> Path | N
     folder = runs_root() / name
     candidates = sorted(folder.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
     passed_over = []
-    while recipe_yaml is not None and candidates:
-        changes = _model_changes(candidates[-1].parent.parent, recipe_yaml)
+    while model_changes is not None and candidates:
+        saved = latest_recipe_yaml(candidates[-1].parent.parent)
+        changes = model_changes(saved) if saved is not None else []
         if not changes:
             break
         passed_over.append(
@@ -105,15 +109,12 @@ def find_latest_resumable(name: str, recipe_yaml: str | None = None) -> Path | N
     )
 
 
-def _model_changes(run_dir: Path, recipe_yaml: str) -> list[str]:
-    """``key: old → new`` for the ``model.*`` keys of the recipe ``run_dir`` started with whose value
-    ``recipe_yaml`` changes (none when the run kept no ``recipe.yaml``). Keys the run's recipe lacks are
-    not compared: a newer mmformer adds keys with defaults, and its user must still resume."""
-    first = run_dir / "recipe.yaml"
-    if not first.is_file():
-        return []
-    a, b = _flat_recipe(first.read_text()), _flat_recipe(recipe_yaml)
-    return [f"{k}: {a[k]!r} → {b.get(k)!r}" for k in sorted(a) if k.startswith("model.") and a[k] != b.get(k)]
+def latest_recipe_yaml(run_dir: Path) -> str | None:
+    """The recipe ``run_dir`` last trained with: its newest ``recipe.resume-N.yaml`` (a resume with a
+    changed recipe, :class:`RunFolder`), else ``recipe.yaml``; None when it kept neither."""
+    resumed = sorted(run_dir.glob("recipe.resume-*.yaml"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    path = resumed[-1] if resumed else run_dir / "recipe.yaml"
+    return path.read_text() if path.is_file() else None
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -133,11 +134,11 @@ def check_resumable(path: Path) -> None:
         raise CheckpointError(f"{path} {NOT_MMFORMER}")
 
 
-def open_run(name: str, resume: str | None, recipe_yaml: str | None = None) -> Run:
+def open_run(name: str, resume: str | None, model_changes: ModelChanges | None = None) -> Run:
     """Create (or, for ``resume``, reopen) the run folder and agree on it across processes.
 
     ``resume``: ``None`` (new run), ``"auto"`` (newest ``last.ckpt`` of this recipe name whose run
-    trained the model of ``recipe_yaml``, when given; else a new run; a damaged one falls back to the
+    trained the same model, as ``model_changes`` tells, when given; else a new run; a damaged one falls back to the
     newest intact checkpoint of its run) or a checkpoint path (its run folder is reused when it lies
     inside one).
 
@@ -153,7 +154,7 @@ def open_run(name: str, resume: str | None, recipe_yaml: str | None = None) -> R
     else:
         resume_from = None
         if resume == "auto":
-            resume_from = find_latest_resumable(name, recipe_yaml)
+            resume_from = find_latest_resumable(name, model_changes)
         elif resume:
             resume_from = Path(resume)
             if not (resume_from.is_file() or is_sharded(resume_from)):

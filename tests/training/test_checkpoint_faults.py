@@ -355,34 +355,45 @@ def test_resume_auto_over_an_empty_last_checkpoint_takes_the_newest_intact_one(w
 
 def test_resume_auto_passes_over_runs_of_another_model_and_says_so(workdir, mmformer_log):
     """A kernel sweep over one recipe name: ``resume=auto`` continues the run of the model asked for,
-    never another kernel's run (its weights trained as another model, two models in one record)."""
-    recipe = "name: tiny\nmodel:\n  backbone: {attn_kernel: %s, d_model: 8}\noptim: {lr: %s}\n"
+    never another kernel's run (its weights trained as another model, two models in one record). What
+    differs is ``recipe.model_changes``' to say (tests/test_model_changes.py); here, a stand-in that
+    reads the kernel, against the recipe each run last trained with."""
     runs = {}
     for age, (run_id, kernel) in enumerate(
         [("20260101-000000-sdpa", "sdpa"), ("20260102-000000-lsh0", "lsh")]
     ):
         ck = _run_folder(workdir, run_id)
         _save(ck / "last.ckpt", 4)
-        (ck.parent / "recipe.yaml").write_text(recipe % (kernel, 0.1))
+        (ck.parent / "recipe.yaml").write_text(f"attn_kernel: {kernel}\n")
         os.utime(ck / "last.ckpt", (1000 + age, 1000 + age))  # the lsh run is the newest
         runs[kernel] = ck
-    run = open_run("tiny", "auto", recipe % ("sdpa", 0.2))  # optim may change on resume; the model not
-    assert run.resume_from == runs["sdpa"] / "last.ckpt"
+
+    def asking(kernel):
+        def changes(saved: str) -> list[str]:
+            old = saved.split(": ")[1].strip()
+            return [] if old == kernel else [f"model.backbone.attn_kernel: {old!r} → {kernel!r}"]
+
+        return changes
+
+    assert open_run("tiny", "auto", asking("sdpa")).resume_from == runs["sdpa"] / "last.ckpt"
     assert mmformer_log == [
         "resume=auto: not resuming 20260102-000000-lsh0 (model.backbone.attn_kernel: 'lsh' → 'sdpa'): "
         "another model than this recipe's (resume=PATH continues one anyway)"
     ]
     mmformer_log.clear()
-    run = open_run("tiny", "auto", recipe % ("performer", 0.1))  # no run of that model: a new one
+    run = open_run("tiny", "auto", asking("performer"))  # no run of that model: a new one
     assert run.resume_from is None and run.dir.name not in {"20260101-000000-sdpa", "20260102-000000-lsh0"}
     assert mmformer_log[0].startswith("resume=auto: not resuming 20260102-000000-lsh0 (")
     assert "; 20260101-000000-sdpa (model.backbone.attn_kernel: 'sdpa' → 'performer')" in mmformer_log[0]
     assert mmformer_log[1].startswith("resume=auto: no run of recipe 'tiny' under ")
     assert mmformer_log[1].endswith(f"trained this recipe's model; starting a new run in {run.dir}")
-    assert open_run("tiny", "auto").resume_from == runs["lsh"] / "last.ckpt"  # no recipe: the newest
-    mmformer_log.clear()  # a key the run's recipe lacks (a newer mmformer's, at its default) is no change
-    newer = "name: tiny\nmodel:\n  backbone: {attn_kernel: lsh, d_model: 8, qk_norm: false}\n"
-    assert open_run("tiny", "auto", newer).resume_from == runs["lsh"] / "last.ckpt" and not mmformer_log
+    assert open_run("tiny", "auto").resume_from == runs["lsh"] / "last.ckpt"  # nothing asked: the newest
+    # a run resumed with another model (saved as recipe.resume-N.yaml) is that model's run now
+    for n, kernel in ((1, "flex"), (2, "lsh"), (10, "performer")):
+        (runs["lsh"].parent / f"recipe.resume-{n}.yaml").write_text(f"attn_kernel: {kernel}\n")
+    mmformer_log.clear()
+    assert open_run("tiny", "auto", asking("performer")).resume_from == runs["lsh"] / "last.ckpt"
+    assert not mmformer_log
 
 
 def test_resume_auto_stops_and_lists_the_checkpoints_when_none_is_intact(workdir):
