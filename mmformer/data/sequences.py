@@ -68,11 +68,11 @@ def sequences_data(
     max_positions: int | None,
     num_classes: int | None,
     seed: int,
-    class_token: bool = False,
+    limit_reason: str = "",
 ):
-    """``TaskData`` for a ``SequencesDataConfig`` read by an ``ids`` tokenizer of ``vocab_size`` ids and
-    learned positions up to ``max_positions`` (None: the backbone's relative positions; with
-    ``class_token`` the tokenizer's ``max_len`` is one more, the class token's position 0).
+    """``TaskData`` for a ``SequencesDataConfig`` read by an ``ids`` tokenizer of ``vocab_size`` ids, the
+    model reading at most ``max_positions`` ids per sequence (None: no limit) because of
+    ``limit_reason`` (the error's words: learned positions, a kernel's position biases).
 
     Raises ``DataNotFoundError`` (a missing root) or ``DataError``: no meta.json or split file, ids
     beyond the tokenizer's vocabulary, sequences longer than its positions, a head of the wrong size.
@@ -85,10 +85,10 @@ def sequences_data(
         )
     max_len = cfg.max_len or meta["max_len"]
     if max_positions is not None and max_len > max_positions:
-        why = f"max_len={max_positions + 1} less one for its class token" if class_token else "its max_len"
+        why = limit_reason or f"the model reads at most {max_positions} ids"
         raise DataError(
-            f"{root} has sequences of up to {max_len} tokens but the ids tokenizer has learned positions for "
-            f"{max_positions} ids ({why}): raise max_len, or cut the sequences with data.max_len"
+            f"{root} has sequences of up to {max_len} tokens but {why}: raise it, or cut the sequences "
+            "with data.max_len"
         )
     classes = meta["classes"]
     if num_classes is not None and num_classes != len(classes):

@@ -329,6 +329,14 @@ def test_recipe_rules(listops, tmp_path):
         match=rf"positions for {longest - 1} ids \(max_len={longest} less one for its class token\)",
     ):
         build_datamodule(tiny_recipe(tmp_path, root=listops, max_len=longest, class_token=True))
+    with pytest.raises(DataError) as e:  # an AFT kernel's position biases are a limit too, named
+        build_datamodule(
+            tiny_recipe(tmp_path, root=listops, kernel="aft_full, kernel_options: {max_len: 100}")
+        )
+    assert str(e.value).endswith(
+        f"has sequences of up to {longest} tokens but the aft_full kernel holds position biases for 100 tokens "
+        "(model.backbone.kernel_options.max_len): raise it, or cut the sequences with data.max_len"
+    )
     with pytest.raises(DataError, match="num_classes=3"):
         build_datamodule(tiny_recipe(tmp_path, root=listops, classes=3))
     meta = json.loads((listops / "meta.json").read_text())

@@ -50,9 +50,36 @@ def id_positions(tok) -> Optional[int]:
     return tok.max_len - int(tok.class_token) if tok.max_len else None
 
 
+def id_limit(tok, backbone) -> tuple[Optional[int], str]:
+    """The most ids one sequence may hold for ``tok`` and ``backbone`` (None: no limit), and why: the
+    tokenizer's learned positions, or an AFT kernel's position biases (``kernel_options.max_len``), each
+    less one for a class token."""
+    limits = []
+    if tok.max_len:
+        why = f"max_len={tok.max_len} less one for its class token" if tok.class_token else "its max_len"
+        limits.append(
+            (
+                id_positions(tok),
+                f"the ids tokenizer has learned positions for {id_positions(tok)} ids ({why})",
+            )
+        )
+    kernel = getattr(backbone, "attn_kernel", None)
+    biases = dict(backbone.kernel_options).get("max_len") if kernel in ("aft_full", "aft_local") else None
+    if biases:
+        fits = biases - int(tok.class_token)
+        one = ", one of them the class token's" if tok.class_token else ""
+        limits.append(
+            (
+                fits,
+                f"the {kernel} kernel holds position biases for {biases} tokens{one} "
+                "(model.backbone.kernel_options.max_len)",
+            )
+        )
+    return min(limits) if limits else (None, "")
+
+
 @register("dataset", "sequences", SequencesDataConfig)
 def build_sequences(cfg: SequencesDataConfig, task, ctx: BuildContext):
     tok = ctx.recipe.model.tokenizers[task.tokenizer]
-    return sequences_data(
-        cfg, tok.vocab_size, id_positions(tok), ctx.num_classes(task), ctx.recipe.seed, tok.class_token
-    )
+    limit, why = id_limit(tok, ctx.recipe.model.backbone)
+    return sequences_data(cfg, tok.vocab_size, limit, ctx.num_classes(task), ctx.recipe.seed, why)
