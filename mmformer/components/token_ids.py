@@ -14,6 +14,7 @@ from typing import ClassVar, Optional
 from omegaconf import MISSING
 
 from ..errors import RecipeError, positive
+from ..nn.kernels import position_biases
 from ..registry import register
 from ..tokenizers.text import TextEmbedding
 from .context import BuildContext
@@ -43,9 +44,8 @@ class TokenIdsConfig:
         failure for ListOps or Pathfinder."""
         name = where.rsplit(".", 1)[-1]
         backbone = recipe.model.backbone
-        order_free = (  # causal attention and AFT's position biases tell order without any positions
-            getattr(backbone, "causal", True)
-            or getattr(backbone, "attn_kernel", "") in ("aft_full", "aft_local")
+        order_free = getattr(backbone, "causal", True) or (  # causal attention and AFT's biases tell order
+            position_biases(backbone.attn_kernel, dict(backbone.kernel_options)) is not None
         )
         if self.max_len is None and getattr(backbone, "positions", None) == "none" and not order_free:
             log.warning(

@@ -9,6 +9,7 @@ from typing import Optional
 
 from ...data.sequences import sequences_data
 from ...errors import RecipeError, positive
+from ...nn.kernels import position_biases
 from ...registry import register
 from ..context import BuildContext
 from .base import LoaderConfig, task_of
@@ -55,16 +56,11 @@ def id_limit(tok, backbone) -> tuple[Optional[int], str]:
     tokenizer's learned positions, or an AFT kernel's position biases (``kernel_options.max_len``), each
     less one for a class token."""
     limits = []
-    if tok.max_len:
+    if (fits := id_positions(tok)) is not None:
         why = f"max_len={tok.max_len} less one for its class token" if tok.class_token else "its max_len"
-        limits.append(
-            (
-                id_positions(tok),
-                f"the ids tokenizer has learned positions for {id_positions(tok)} ids ({why})",
-            )
-        )
+        limits.append((fits, f"the ids tokenizer has learned positions for {fits} ids ({why})"))
     kernel = getattr(backbone, "attn_kernel", None)
-    biases = dict(backbone.kernel_options).get("max_len") if kernel in ("aft_full", "aft_local") else None
+    biases = position_biases(kernel, dict(backbone.kernel_options)) if kernel else None
     if biases:
         fits = biases - int(tok.class_token)
         one = ", one of them the class token's" if tok.class_token else ""

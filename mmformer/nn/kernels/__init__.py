@@ -134,6 +134,14 @@ def check_options(name: str, options: dict, n_heads: int = 1, head_dim: int = 2)
             pass
 
 
+def position_biases(name: str, options: dict) -> int | None:
+    """How many tokens kernel ``name`` holds learned position biases for (its ``max_len`` option: AFT-full,
+    AFT-local), else None; such a kernel reads token order by itself and no longer sequence."""
+    cls = KERNEL_CLASSES.get(name)
+    takes = cls is not None and "max_len" in inspect.signature(cls.__init__).parameters
+    return options.get("max_len") if takes else None
+
+
 def kernel_needs(name: str, options: dict) -> frozenset[str]:
     """Mask rules kernel ``name`` with ``options`` cannot run without (``AttentionKernel.needs``)."""
     cls = KERNEL_CLASSES.get(name)
