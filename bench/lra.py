@@ -58,6 +58,10 @@ KERNELS = {
         "model.backbone.attn_kernel=aft_local",
         "model.backbone.kernel_options={max_len: 4096, window: 64}",
     ],
+    "aft_full": [
+        "model.backbone.attn_kernel=aft_full",
+        "model.backbone.kernel_options={max_len: 4096}",
+    ],
     "aft_simple": ["model.backbone.attn_kernel=aft_simple"],
 }
 RUN = """

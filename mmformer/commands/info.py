@@ -68,11 +68,15 @@ def describe_model(model, recipe) -> list[str]:
         tok = model.tokenizers[task.tokenizer]
         head = getattr(task, "head", None)  # a prefix-LM's sequence mixes two tokenizers: not counted yet
         if head is not None and hasattr(tok, "example_input") and task.tokenizer not in model.towers:
-            flops = count_flops(model, tok.example_input(1), task.tokenizer, head)
+            rows = getattr(model.heads[head], "rows_per_sample", 1)  # a pair head reads two sequences
+            flops = count_flops(model, tok.example_input(rows), task.tokenizer, head)
+            length = tok.example_input(1).shape[1] if hasattr(tok, "vocab_size") else None
             what = (
                 "sample"
-                if not hasattr(tok, "vocab_size")
-                else f"sequence of {tok.example_input(1).shape[1]} tokens"
+                if length is None
+                else f"pair of sequences of {length} tokens"
+                if rows == 2
+                else f"sequence of {length} tokens"
             )
             example = (
                 "; an example length: the tokenizer sets no max_len"

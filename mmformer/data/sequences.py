@@ -4,7 +4,9 @@ from the on-disk format of ``mmformer.data.sequence_format``.
 
 Batches: ``ids`` (B, L) long, right-padded with 0 to the longest sequence of the batch (0 is an
 ordinary id; the mask tells padding apart); ``ids_valid`` (B, L) bool (True = real token); ``label``
-(B,) long.
+(B,) long. With ``data.pairs: true`` each stored sequence is two joined by meta.json's ``separator`` id
+(``kjv-pairs``) and a batch of B pairs holds ``2B`` rows: the B first sequences, then the B second ones
+in the same order (``collate_pairs``; read by a two-tower head, ``mmformer.models.PairClassifierHead``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,59 @@ class TokenSequences(Dataset):
         return out
 
 
+class TokenPairs(Dataset):
+    """Items ``{"ids": (n_a,) long, "ids_b": (n_b,) long, "label": int}``: each sequence of ``joined``
+    split at its one ``separator`` id (which neither half keeps), each half cut to ``max_len`` tokens.
+
+    Raises ``DataError`` naming ``where`` (the split file) and the first sequence that holds the
+    separator not exactly once.
+    """
+
+    def __init__(self, joined: TokenSequences, separator: int, max_len: int | None, where: str):
+        self.joined, self.max_len = joined, max_len
+        offsets = joined.offsets
+        at = np.flatnonzero(joined.tokens == separator)  # every separator's position
+        owner = np.searchsorted(offsets, at, side="right") - 1  # the sequence each lies in
+        count = np.bincount(owner, minlength=len(joined))
+        if len(joined) and (bad := np.flatnonzero(count != 1)).size:
+            raise DataError(
+                f"{where}: sequence {int(bad[0])} holds the separator id {separator} {int(count[bad[0]])} "
+                "times; data.pairs reads sequences that are two joined by exactly one separator"
+            )
+        self.separators = at  # sequence i's separator is at[i] (positions rise with the sequences)
+        cut = max_len or np.iinfo(np.int64).max
+        self.first = np.minimum(at - offsets[:-1], cut)
+        self.second = np.minimum(offsets[1:] - at - 1, cut)
+
+    def __len__(self) -> int:
+        return len(self.joined)
+
+    def length(self, i: int) -> int:
+        """The padded length this pair's rows take: its longer half."""
+        return int(max(self.first[i], self.second[i]))
+
+    def longest(self) -> int:
+        return int(max(self.first.max(initial=0), self.second.max(initial=0)))
+
+    def __getitem__(self, i: int) -> dict:
+        start, sep, tokens = int(self.joined.offsets[i]), int(self.separators[i]), self.joined.tokens
+        a = tokens[start : start + int(self.first[i])].astype(np.int64)
+        b = tokens[sep + 1 : sep + 1 + int(self.second[i])].astype(np.int64)
+        return {"ids": torch.from_numpy(a), "ids_b": torch.from_numpy(b), "label": int(self.joined.labels[i])}
+
+    def sources(self) -> list[str]:
+        return self.joined.sources()
+
+
+def collate_pairs(samples: list[dict]) -> dict:
+    """B pairs → ``ids`` / ``ids_valid`` (2B, L): the first sequences, then the second ones, right-padded
+    to the longest of all 2B; ``label`` (B,)."""
+    rows = collate_sequences(
+        [{"ids": s["ids"], "label": 0} for s in samples] + [{"ids": s["ids_b"], "label": 0} for s in samples]
+    )
+    return {**rows, "label": torch.tensor([s["label"] for s in samples])}
+
+
 def collate_sequences(samples: list[dict]) -> dict:
     """Right-pad to the longest sequence of the batch (the pad id 0 is masked by ``ids_valid``)."""
     n = max((len(s["ids"]) for s in samples), default=0)
@@ -83,16 +138,16 @@ def sequences_data(
         raise DataError(
             f"{root} has ids up to {meta['vocab_size'] - 1} but the ids tokenizer has vocab_size={vocab_size}"
         )
-    max_len = cfg.max_len or meta["max_len"]
-    if max_positions is not None and max_len > max_positions:
-        why = limit_reason or f"the model reads at most {max_positions} ids"
-        raise DataError(
-            f"{root} has sequences of up to {max_len} tokens but {why}: raise it, or cut the sequences "
-            "with data.max_len"
-        )
     classes = meta["classes"]
     if num_classes is not None and num_classes != len(classes):
         raise DataError(f"{root} has {len(classes)} classes but the head has num_classes={num_classes}")
+    if cfg.pairs and "separator" not in meta:
+        raise DataError(
+            f"{root / 'meta.json'} names no 'separator' id: data.pairs reads sequences that are two joined "
+            "by one (as mmformer data prepare kjv-pairs writes them)"
+        )
+    # pairs: each half is cut to data.max_len, not the joined sequence
+    max_len = meta["max_len"] if cfg.pairs else (cfg.max_len or meta["max_len"])
     train = TokenSequences(*read_split(root, cfg.train_split, meta), max_len)
     val = TokenSequences(*read_split(root, cfg.val_split, meta), max_len)
     if cfg.limit_train is not None and cfg.limit_train < len(train):
@@ -101,6 +156,19 @@ def sequences_data(
         chunks = [train.tokens[train.offsets[i] : train.offsets[i + 1]] for i in keep]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         train = TokenSequences(np.concatenate(chunks), offsets, train.labels[keep], max_len)
+    what = "sequences of"
+    if cfg.pairs:
+        train, val = (
+            TokenPairs(d, meta["separator"], cfg.max_len, str(root / f"{split}.npz"))
+            for d, split in ((train, cfg.train_split), (val, cfg.val_split))
+        )
+        max_len, what = max(train.longest(), val.longest()), "pairs whose halves have"
+    if max_positions is not None and max_len > max_positions:
+        why = limit_reason or f"the model reads at most {max_positions} ids"
+        raise DataError(
+            f"{root} has {what} up to {max_len} tokens but {why}: raise it, or cut the sequences "
+            "with data.max_len"
+        )
     lengths = None
     if cfg.bucket_by_length:
 
@@ -112,7 +180,7 @@ def sequences_data(
         val=val,
         train_sources=train.sources(),
         val_sources=val.sources(),
-        collate=collate_sequences,
+        collate=collate_pairs if cfg.pairs else collate_sequences,
         batch_size=cfg.batch_size,
         val_batch_size=cfg.val_batch_size or cfg.batch_size,
         num_workers=cfg.num_workers,

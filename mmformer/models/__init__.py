@@ -13,6 +13,7 @@ from .backbone_config import (
 from .flops import count_flops
 from .heads import ClassifierHead, ProjectionHead
 from .model import MultimodalModel
+from .pair_head import PairClassifierHead
 from .presets import PRESETS, preset
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "MlpConfig",
     "PositionConfig",
     "ClassifierHead",
+    "PairClassifierHead",
     "ProjectionHead",
     "MultimodalModel",
     "PRESETS",

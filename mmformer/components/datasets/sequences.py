@@ -26,6 +26,9 @@ class SequencesDataConfig(LoaderConfig):
     max_len: Optional[int] = None  # tokens per sequence, longer ones cut; default: meta.json's max_len
     limit_train: Optional[int] = None  # use N training sequences (a seeded choice)
     bucket_by_length: bool = False  # batches of sequences of similar length (less padding)
+    # each sequence is two joined by meta.json's separator id (kjv-pairs): read as pairs, 2B rows per
+    # batch of B, for a pair_classifier head (two towers); max_len then cuts each half
+    pairs: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -37,6 +40,13 @@ class SequencesDataConfig(LoaderConfig):
         if tok.kind != "ids":
             raise RecipeError(
                 f"'{where}': sequences data is read by an ids tokenizer; {task.tokenizer!r} is {tok.kind}"
+            )
+        head = recipe.model.heads.get(getattr(task, "head", None))
+        if self.pairs != (getattr(head, "kind", None) == "pair_classifier"):
+            raise RecipeError(
+                f"'{where}.pairs' is {str(self.pairs).lower()} but head {task.head!r} is "
+                f"{getattr(head, 'kind', None)!r}: pairs are read by a pair_classifier head, and a "
+                "pair_classifier reads pairs"
             )
         fits = id_positions(tok)
         if self.max_len and fits and self.max_len > fits:

@@ -5,10 +5,11 @@ Network do not):
 * ``kjv-books`` (Text): which of ``BOOKS`` a passage of 2,048–4,096 bytes comes from; 10 classes. Ten
   books across the genres (law, history, poetry, prophecy, gospel, epistle, apocalypse), each long
   enough (≥ 50 kB) to hold out whole chapters; a third of the 66 books have under 15 kB.
-* ``kjv-pairs`` (Retrieval): do two passages of 1,024–2,047 bytes come from the same book? LRA encodes
-  each document with the same encoder and classifies [u, v, u·v, u−v] (a two-tower model); mmformer has
-  no pair task, so a pair is ONE sequence: passage A, the separator id 256, passage B (≤ 4,095 ids),
-  classified as a whole — the two passages attend to each other, unlike LRA's towers.
+* ``kjv-pairs`` (Retrieval): do two passages of 1,024–2,047 bytes come from the same book? Stored as
+  one sequence — passage A, the separator id 256, passage B (≤ 4,095 ids; meta.json's ``separator``) —
+  and read as LRA reads its pairs, two towers (``data.pairs: true`` splits it at the separator; a
+  ``pair_classifier`` head classifies [u, v, u·v, u−v]), or as one sequence whose halves attend to
+  each other (``data.pairs: false``, a ``classifier`` head).
 
 Bytes are the tokens (UTF-8, ids 0–255). Passages are runs of whole verses (verse numbers and chapter
 headings removed — a heading names the book), joined by spaces. Each book's chapters are split once,
@@ -212,6 +213,6 @@ def build_kjv_pairs(out: Path, pairs: dict[str, int] | None = None, seed: int = 
         f"when both come from the same one of {len(BOOKS)} books, 0 (different) otherwise; balanced; "
         f"{pairs['train']:,} / {pairs['val']:,} / {pairs['test']:,} pairs in train / val / test, from the "
         "same disjoint chapter blocks as kjv-books. <split>-books.npy holds each pair's two book indices "
-        "(meta.json's books); <split>-sample.jsonl shows the first 20 pairs of each split as text. Unlike "
-        "LRA's two-tower model, a pair is read as ONE sequence.\n"
+        "(meta.json's books); <split>-sample.jsonl shows the first 20 pairs of each split as text. "
+        "data.pairs: true reads each pair as its two passages (LRA's two towers).\n"
     )

@@ -1,0 +1,61 @@
+"""Head kind ``pair_classifier``: a two-tower pair classifier (``mmformer.models.PairClassifierHead``,
+the Long Range Arena's dual encoder for Retrieval), read by a ``classification`` task whose data gives
+pairs (``data.pairs: true``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from ..errors import RecipeError, positive
+from ..models import PairClassifierHead
+from ..models.pair_head import INTERACTIONS
+from ..registry import register
+from .context import BuildContext
+
+
+@dataclass
+class PairClassifierHeadConfig:
+    """``model.heads.<name>`` of kind ``pair_classifier``: each sequence of a pair pooled apart, the two
+    vectors classified together (``interaction: nli`` = ``[u, v, u·v, u−v]``) by an MLP of ``mlp_dim``."""
+
+    kind: str = "pair_classifier"
+    num_classes: int = MISSING
+    pool: str = "mean"  # mean | cls
+    interaction: str = "nli"  # nli | concat
+    mlp_dim: int = 128
+    fc_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pool not in ("cls", "mean"):
+            raise ValueError(f"pool={self.pool!r}; choose 'mean' or 'cls'")
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(f"interaction={self.interaction!r}; choose one of {', '.join(INTERACTIONS)}")
+        positive(self, "num_classes", "mlp_dim")
+
+    def check(self, recipe, where: str) -> None:
+        name = where.rsplit(".", 1)[-1]
+        for task_name, task in recipe.tasks.items():
+            if getattr(task, "head", None) != name:
+                continue
+            data = task.data
+            pairs = data.get("pairs", False) if isinstance(data, dict) else getattr(data, "pairs", False)
+            if task.kind != "classification" or not pairs:
+                raise RecipeError(
+                    f"'{where}': a pair_classifier reads pairs; task {task_name!r} must be a classification "
+                    f"task whose data gives them (tasks.{task_name}.data.pairs: true)"
+                )
+
+
+@register("head", "pair_classifier", PairClassifierHeadConfig)
+def build_pair_classifier(cfg: PairClassifierHeadConfig, d_model: int, tokenizer, ctx: BuildContext):
+    return PairClassifierHead(
+        d_model,
+        cfg.num_classes,
+        cfg.pool,
+        getattr(tokenizer, "num_prefix_tokens", 0),
+        cfg.interaction,
+        cfg.mlp_dim,
+        cfg.fc_norm,
+    )
