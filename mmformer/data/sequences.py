@@ -12,6 +12,7 @@ in the same order (``collate_pairs``; read by a two-tower head, ``mmformer.model
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ class TokenPairs(Dataset):
     split at its one ``separator`` id (which neither half keeps), each half cut to ``max_len`` tokens.
 
     Raises ``DataError`` naming ``where`` (the split file) and the first sequence that holds the
-    separator not exactly once.
+    separator not exactly once, or whose first or second half is empty (a pooled blank).
     """
 
     def __init__(self, joined: TokenSequences, separator: int, max_len: int | None, where: str):
@@ -73,9 +74,16 @@ class TokenPairs(Dataset):
                 "times; data.pairs reads sequences that are two joined by exactly one separator"
             )
         self.separators = at  # sequence i's separator is at[i] (positions rise with the sequences)
+        first, second = at - offsets[:-1], offsets[1:] - at - 1
+        if (empty := np.flatnonzero((first == 0) | (second == 0))).size:
+            i = int(empty[0])
+            raise DataError(
+                f"{where}: sequence {i} has an empty {'first' if first[i] == 0 else 'second'} half (the "
+                f"separator id {separator} at its {'start' if first[i] == 0 else 'end'}); a pair needs two "
+                "sequences"
+            )
         cut = max_len or np.iinfo(np.int64).max
-        self.first = np.minimum(at - offsets[:-1], cut)
-        self.second = np.minimum(offsets[1:] - at - 1, cut)
+        self.first, self.second = np.minimum(first, cut), np.minimum(second, cut)
 
     def __len__(self) -> int:
         return len(self.joined)
@@ -94,7 +102,14 @@ class TokenPairs(Dataset):
         return {"ids": torch.from_numpy(a), "ids_b": torch.from_numpy(b), "label": int(self.joined.labels[i])}
 
     def sources(self) -> list[str]:
-        return self.joined.sources()
+        """One key per pair for the cross-task leak check: a digest of its two (cut) halves, as the model
+        reads them."""
+        out = []
+        for i in range(len(self)):
+            item = self[i]
+            ids = np.concatenate([item["ids"].numpy(), [-1], item["ids_b"].numpy()])
+            out.append(SOURCE + hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest())
+        return out
 
 
 def collate_pairs(samples: list[dict]) -> dict:
@@ -150,6 +165,10 @@ def sequences_data(
     max_len = meta["max_len"] if cfg.pairs else (cfg.max_len or meta["max_len"])
     train = TokenSequences(*read_split(root, cfg.train_split, meta), max_len)
     val = TokenSequences(*read_split(root, cfg.val_split, meta), max_len)
+    if cfg.pairs:  # every stored pair checked, an error naming its index in the file (before limit_train)
+        split_pairs = partial(TokenPairs, separator=meta["separator"], max_len=cfg.max_len)
+        val = split_pairs(val, where=str(root / f"{cfg.val_split}.npz"))
+        train_pairs = split_pairs(train, where=str(root / f"{cfg.train_split}.npz"))
     if cfg.limit_train is not None and cfg.limit_train < len(train):
         keep = np.sort(np.random.default_rng(seed).permutation(len(train))[: cfg.limit_train])
         lengths = np.diff(train.offsets)[keep]
@@ -158,10 +177,8 @@ def sequences_data(
         train = TokenSequences(np.concatenate(chunks), offsets, train.labels[keep], max_len)
     what = "sequences of"
     if cfg.pairs:
-        train, val = (
-            TokenPairs(d, meta["separator"], cfg.max_len, str(root / f"{split}.npz"))
-            for d, split in ((train, cfg.train_split), (val, cfg.val_split))
-        )
+        limited = cfg.limit_train is not None and cfg.limit_train < len(train_pairs)
+        train = split_pairs(train, where=f"{cfg.train_split}.npz, limited") if limited else train_pairs
         max_len, what = max(train.longest(), val.longest()), "pairs whose halves have"
     if max_positions is not None and max_len > max_positions:
         why = limit_reason or f"the model reads at most {max_positions} ids"

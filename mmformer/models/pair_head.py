@@ -37,6 +37,9 @@ class PairClassifierHead(nn.Module):
         fc_norm: LayerNorm of each pooled vector before the interaction.
         norm_eps: LayerNorm epsilon of ``fc_norm``.
 
+    The head cannot tell pairs from any other batch of ``2B`` rows: the data must give pairs (a recipe
+    with this head and without ``data.pairs: true`` is refused at load).
+
     ``forward(hidden (2B, N, D), tokens) → logits (B, K)`` in the hidden dtype. The order of the two
     sequences matters for ``u − v`` (and for ``concat``): a pair and its swap are different inputs.
     ``rows_per_sample``: 2. ``reads``: ``slice(0, 1)`` for ``pool="cls"`` (the backbone's last block

@@ -17,9 +17,9 @@ RECIPE = """\
 name: pairs_tiny
 seed: 0
 model:
-  tokenizers: {{ids: {{kind: ids, vocab_size: 10, max_len: {max_len}}}}}
+  tokenizers: {{ids: {{kind: ids, vocab_size: 10, max_len: {max_len}, class_token: {cls}}}}}
   backbone: {{d_model: 16, n_layers: 1, n_heads: 2}}
-  heads: {{same: {{kind: {head}, num_classes: 2, pool: mean}}}}
+  heads: {{same: {{kind: {head}, num_classes: 2, pool: {pool}}}}}
 tasks:
   match:
     kind: classification
@@ -53,11 +53,20 @@ def pairs_root(tmp_path_factory):
     return root, stored
 
 
-def recipe(tmp_path, root, head="pair_classifier", pairs="true", max_len=16, extra=""):
+def recipe(tmp_path, root, head="pair_classifier", pairs="true", max_len=16, extra="", pool="mean"):
     from mmformer.recipe import load_recipe
 
     path = tmp_path / "pairs_tiny.yaml"
-    path.write_text(RECIPE.format(root=root, head=head, pairs=pairs, max_len=max_len, extra=extra))
+    text = RECIPE.format(
+        root=root,
+        head=head,
+        pairs=pairs,
+        max_len=max_len,
+        extra=extra,
+        pool=pool,
+        cls=str(pool == "cls").lower(),
+    )
+    path.write_text(text)
     return load_recipe(path)
 
 
@@ -108,6 +117,51 @@ def test_a_pairs_logits_do_not_depend_on_the_batch_or_its_padding(pairs_root, tm
             torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-4)
 
 
+def test_cls_pooling_reads_each_towers_class_token_alone(pairs_root, tmp_path):
+    """``pool: cls``: the last block computes the class-token rows only (``reads``), for all 2B rows."""
+    from mmformer.build import build_datamodule, build_model
+
+    root, _ = pairs_root
+    r = recipe(tmp_path, root, pool="cls", max_len=17)
+    data = build_datamodule(r).data["match"]
+    torch.manual_seed(0)
+    model = build_model(r).eval()
+    items = [data.val[i] for i in range(4)]
+    batch = data.collate(items)
+    with torch.no_grad():
+        together = model(batch["ids"], "ids", "same", valid=batch["ids_valid"])
+        for i, it in enumerate(items):
+            alone = data.collate([it])
+            torch.testing.assert_close(
+                model(alone["ids"], "ids", "same", valid=alone["ids_valid"])[0],
+                together[i],
+                atol=1e-5,
+                rtol=1e-4,
+            )
+
+
+def test_leak_keys_are_the_halves_the_model_reads(pairs_root, tmp_path):
+    from mmformer.build import build_datamodule
+
+    root, stored = pairs_root
+    cut = build_datamodule(recipe(tmp_path, root, extra=", max_len: 1")).data["match"]
+    a, b = stored["train"]
+    keys = cut.train_sources
+    for i in range(len(a)):
+        for j in range(len(a)):
+            same = a[i][0] == a[j][0] and b[i][0] == b[j][0]  # what is left after the cut
+            assert (keys[i] == keys[j]) == same
+
+
+def test_a_recipe_with_pairs_trains(pairs_root, tmp_path, workdir, capsys):
+    from mmformer.cli import main
+
+    recipe(tmp_path, pairs_root[0])
+    assert main(["train", str(tmp_path / "pairs_tiny.yaml"), "trainer.enable_progress_bar=false"]) == 0
+    out = capsys.readouterr().out
+    assert "FLOPs per pair of sequences of 16 tokens" in out and "val/match/acc" in out
+
+
 def test_what_is_refused_and_named(pairs_root, tmp_path):
     from mmformer.build import build_datamodule
     from mmformer.data.roots import DataError
@@ -133,6 +187,17 @@ def test_what_is_refused_and_named(pairs_root, tmp_path):
     write_meta(bad, 10, 5, ["different", "same"], {}, separator=SEP)
     with pytest.raises(DataError, match=r"train.npz: sequence 1 holds the separator id 9 2 times"):
         build_datamodule(recipe(tmp_path, bad))
+    with pytest.raises(DataError, match=r"train.npz: sequence 1 holds the separator id 9 2 times"):
+        build_datamodule(recipe(tmp_path, bad, extra=", limit_train: 1"))  # named by its index in the file
+    write_split(bad, "val", [[1, 2, 3], [4, SEP]], [0, 1])
+    with pytest.raises(DataError, match=r"val.npz: sequence 0 holds the separator id 9 0 times"):
+        build_datamodule(recipe(tmp_path, bad))
+    write_split(bad, "train", [[1, SEP, 2], [4, SEP]], [0, 1])
+    write_split(bad, "val", [[1, SEP, 2]], [0])
+    with pytest.raises(DataError, match=r"train.npz: sequence 1 has an empty second half"):
+        build_datamodule(recipe(tmp_path, bad))
+    with pytest.raises(RecipeError, match="mlp_dim=1"):
+        recipe(tmp_path, root, extra="", head="pair_classifier, mlp_dim: 1")
     meta = json.loads((bad / "meta.json").read_text())
     del meta["separator"]
     (bad / "meta.json").write_text(json.dumps(meta))

@@ -41,10 +41,11 @@ class SequencesDataConfig(LoaderConfig):
             raise RecipeError(
                 f"'{where}': sequences data is read by an ids tokenizer; {task.tokenizer!r} is {tok.kind}"
             )
-        head = recipe.model.heads.get(getattr(task, "head", None))
+        name = getattr(task, "head", None)
+        head = recipe.model.heads.get(name)
         if self.pairs != (getattr(head, "kind", None) == "pair_classifier"):
             raise RecipeError(
-                f"'{where}.pairs' is {str(self.pairs).lower()} but head {task.head!r} is "
+                f"'{where}.pairs' is {str(self.pairs).lower()} but head {name!r} is "
                 f"{getattr(head, 'kind', None)!r}: pairs are read by a pair_classifier head, and a "
                 "pair_classifier reads pairs"
             )
