@@ -34,7 +34,9 @@ class PairClassifierHeadConfig:
             raise ValueError(f"interaction={self.interaction!r}; choose one of {', '.join(INTERACTIONS)}")
         positive(self, "num_classes")
         if self.mlp_dim < 2:  # the MLP's second layer is mlp_dim // 2 wide
-            raise ValueError(f"mlp_dim={self.mlp_dim}; it must be at least 2 (the second layer is mlp_dim // 2)")
+            raise ValueError(
+                f"mlp_dim={self.mlp_dim}; it must be at least 2 (the second layer is mlp_dim // 2)"
+            )
 
     def check(self, recipe, where: str) -> None:
         name = where.rsplit(".", 1)[-1]
