@@ -314,7 +314,9 @@ def describe_resume(run: Run, recipe_yaml: str, ckpt: dict) -> str:
 class RunFolder(L.Callback):
     """Writes ``recipe.yaml`` and ``run.json`` from the global-zero process when training starts.
     On resume ``run.json`` keeps its run and W&B ids and gains a resume record, and ``recipe.yaml``
-    keeps the recipe the run started with (a changed recipe is saved beside it as ``recipe.resume-N.yaml``)."""
+    keeps the recipe the run started with (a changed recipe is saved beside it as ``recipe.resume-N.yaml``).
+    A run that stops on an error records it in ``run.json``'s ``failures`` (time, step, the error's
+    first line), so a folder without checkpoints says why; a stop on a signal or Ctrl-C is not a failure."""
 
     def __init__(self, run: Run, recipe_yaml: str):
         self.run, self.recipe_yaml = run, recipe_yaml
@@ -357,6 +359,29 @@ class RunFolder(L.Callback):
             }
             info.setdefault("resumes", []).append(resume)
         _write_file(self.run.dir / "run.json", json.dumps(info, indent=2) + "\n")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        from .preemption import Preempted
+
+        path = self.run.dir / "run.json"
+        if (
+            not trainer.is_global_zero
+            or not path.is_file()
+            or isinstance(exception, (Preempted, KeyboardInterrupt))
+        ):
+            return
+        info = read_run_json(self.run.dir)
+        lines = str(exception).strip().splitlines() or [""]
+        failure = {
+            "time": dt.datetime.now().isoformat(timespec="seconds"),
+            "step": trainer.global_step,
+            "error": f"{type(exception).__name__}: {lines[0]}"[:500],
+        }
+        info.setdefault("failures", []).append(failure)
+        try:
+            _write_file(path, json.dumps(info, indent=2) + "\n")
+        except Exception as e:  # never hides the error being raised (a full disk, say)
+            log.warning(f"could not record the failure in {path}: {e}")
 
 
 def _write_file(path: Path, text: str) -> None:

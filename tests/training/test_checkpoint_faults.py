@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import logging
 import os
 import re
@@ -465,6 +466,20 @@ def test_a_non_finite_stop_before_any_checkpoint_says_none_was_written(tiny_reci
         "No checkpoint of this run was written yet, so there is nothing to resume: start it again once fixed."
     )
     assert not list((workdir / "runs").rglob("*.ckpt"))
+
+
+def test_a_diverging_run_records_its_failure_in_run_json(tiny_recipe, workdir):
+    """A learning rate that overflows the weights for real: the run stops on its non-finite loss, and
+    its folder (no checkpoint yet) says why in run.json."""
+    from mmformer.commands.train import train
+
+    lr = ["optim.lr=1e38", "optim.warmup_steps=0", "optim.max_nonfinite_steps=1", "trainer.max_epochs=2"]
+    with pytest.raises(FloatingPointError) as e:
+        train(load_recipe(tiny_recipe, lr))
+    (folder,) = (workdir / "runs" / "tiny").iterdir()
+    (failure,) = json.loads((folder / "run.json").read_text())["failures"]
+    assert failure["error"] == "FloatingPointError: " + str(e.value).splitlines()[0][:480]
+    assert failure["step"] >= 1 and not list(folder.rglob("*.ckpt"))
 
 
 def test_a_non_finite_stop_names_the_last_checkpoint(tiny_recipe, workdir, monkeypatch):
