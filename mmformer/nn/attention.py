@@ -344,10 +344,12 @@ class Attention(nn.Module):
                     )
                 return self.q_norm(q), k, v
             M = context.shape[1]
-            k, v = self.kv(context).view(B, M, 2 * Hkv, Dh).transpose(1, 2).split([Hkv, Hkv], dim=1)
+            k, v = (t.transpose(1, 2) for t in self.kv(context).view(B, M, 2 * Hkv, Dh).split(Hkv, dim=2))
             return self.q_norm(q), self.k_norm(k), v
-        qkv = self.qkv(x).view(B, N, H + 2 * Hkv, Dh).transpose(1, 2)  # (B, H + 2·Hkv, N, Dh)
-        q, k, v = qkv.split([H, Hkv, Hkv], dim=1)
+        # split on the head axis before the transposes (the same views): the backward's one concatenation
+        # then writes the (B, N, ·, Dh) layout the projection's gradient needs, with no second copy
+        qkv = self.qkv(x).view(B, N, H + 2 * Hkv, Dh)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split([H, Hkv, Hkv], dim=2))  # (B, ·, N, Dh)
         return self.q_norm(q), self.k_norm(k), v
 
     def forward(
