@@ -5,6 +5,7 @@ pairs (``data.pairs: true``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from omegaconf import MISSING
 
@@ -44,11 +45,19 @@ class PairClassifierHeadConfig:
             if getattr(task, "head", None) != name:
                 continue
             data = task.data
-            pairs = data.get("pairs", False) if isinstance(data, dict) else getattr(data, "pairs", False)
-            if task.kind != "classification" or not pairs:
+            get = data.get if isinstance(data, dict) else partial(getattr, data)
+            if task.kind != "classification" or get("kind", None) != "sequences":
                 raise RecipeError(
-                    f"'{where}': a pair_classifier reads pairs; task {task_name!r} must be a classification "
-                    f"task whose data gives them (tasks.{task_name}.data.pairs: true)"
+                    f"'{where}': a pair_classifier reads pairs of sequences: task {task_name!r} must be a "
+                    f"classification task with data.kind: sequences and data.pairs: true (it is a "
+                    f"{task.kind} task with data.kind: {get('kind', None)}); for one input per sample use "
+                    "kind: classifier"
+                )
+            if not get("pairs", False):
+                raise RecipeError(
+                    f"'{where}': a pair_classifier reads pairs (2B rows per batch of B); set "
+                    f"tasks.{task_name}.data.pairs: true (sequences stored as two joined by meta.json's "
+                    "separator id), or use kind: classifier"
                 )
 
 

@@ -5,7 +5,9 @@ numpy: preparing data imports neither torch nor Lightning.
 Under ``root``::
 
     meta.json      {"vocab_size": V, "max_len": N, "classes": [name, …], "splits": {split: count},
-                    "vocabulary": [token text, …] (optional: what each id stands for)}
+                    "vocabulary": [token text, …] (optional: what each id stands for),
+                    "separator": S (optional: pairs stored as ``A, S, B``, read as two sequences by
+                    ``data.pairs: true``; S is counted in V, and N is then the joined length)}
     <split>.npz    tokens  (T,) uint8 | uint16  every sequence of the split, concatenated
                    offsets (n + 1,) int64        sequence i is tokens[offsets[i]:offsets[i + 1]]
                    labels  (n,) int64            indices into meta's classes

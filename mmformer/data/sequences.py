@@ -161,6 +161,11 @@ def sequences_data(
             f"{root / 'meta.json'} names no 'separator' id: data.pairs reads sequences that are two joined "
             "by one (as mmformer data prepare kjv-pairs writes them)"
         )
+    if cfg.pairs and not 0 <= meta["separator"] < meta["vocab_size"]:
+        raise DataError(
+            f"{root / 'meta.json'}: the separator id {meta['separator']} is outside the vocabulary (ids 0-"
+            f"{meta['vocab_size'] - 1}); vocab_size counts the separator"
+        )
     # pairs: each half is cut to data.max_len, not the joined sequence
     max_len = meta["max_len"] if cfg.pairs else (cfg.max_len or meta["max_len"])
     train = TokenSequences(*read_split(root, cfg.train_split, meta), max_len)

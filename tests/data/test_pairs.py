@@ -198,8 +198,26 @@ def test_what_is_refused_and_named(pairs_root, tmp_path):
         build_datamodule(recipe(tmp_path, bad))
     with pytest.raises(RecipeError, match="mlp_dim=1"):
         recipe(tmp_path, root, extra="", head="pair_classifier, mlp_dim: 1")
+    write_meta(bad, 10, 5, ["different", "same"], {}, separator=10)
+    with pytest.raises(
+        DataError, match=r"separator id 10 is outside the vocabulary \(ids 0-9\); vocab_size counts"
+    ):
+        build_datamodule(recipe(tmp_path, bad))
     meta = json.loads((bad / "meta.json").read_text())
     del meta["separator"]
     (bad / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match="names no 'separator' id"):
         build_datamodule(recipe(tmp_path, bad))
+
+
+def test_a_pair_head_on_another_kind_of_data_names_what_it_needs():
+    from pathlib import Path
+
+    from mmformer.errors import RecipeError
+    from mmformer.recipe import load_recipe
+
+    image = Path(__file__).parents[2] / "recipes/image/vit_tiny_classify_mnist5k.yaml"
+    with pytest.raises(
+        RecipeError, match="must be a classification task with data.kind: sequences and data.pairs"
+    ):
+        load_recipe(image, ["model.heads.digits={kind: pair_classifier, num_classes: 10}"])

@@ -43,11 +43,11 @@ class SequencesDataConfig(LoaderConfig):
             )
         name = getattr(task, "head", None)
         head = recipe.model.heads.get(name)
-        if self.pairs != (getattr(head, "kind", None) == "pair_classifier"):
+        kind = getattr(head, "kind", None)
+        if self.pairs and kind != "pair_classifier":
             raise RecipeError(
-                f"'{where}.pairs' is {str(self.pairs).lower()} but head {name!r} is "
-                f"{getattr(head, 'kind', None)!r}: pairs are read by a pair_classifier head, and a "
-                "pair_classifier reads pairs"
+                f"'{where}.pairs' is true but head {name!r} is {kind!r}: pairs (2B rows per batch of B) are "
+                f"read by a two-tower head — set model.heads.{name}.kind: pair_classifier, or {where}.pairs: false"
             )
         fits = id_positions(tok)
         if self.max_len and fits and self.max_len > fits:
