@@ -30,6 +30,19 @@ def test_whole_component_override_is_typed_by_its_kind():
     assert r.tasks["mnist"].data.batch_size == 16
 
 
+def test_a_mapping_of_another_kind_replaces_the_component_one_of_the_same_kind_merges():
+    retrieval = Path(__file__).parents[1] / "recipes/long_context/lra_retrieval_kjv.yaml"
+    plain = "model.heads.same={kind: classifier, num_classes: 2, drop: 0.1}"  # the pair head's options go
+    cls = "model.tokenizers.bytes.class_token=true"
+    r = load_recipe(retrieval, [plain, "tasks.retrieval.data.pairs=false", cls])
+    assert r.model.heads["same"].kind == "classifier" and r.model.heads["same"].drop == 0.1
+    assert r.model.heads["same"].pool == "cls"  # the classifier's default, not the pair head's "mean"
+    r = load_recipe(retrieval, ["model.heads.same={kind: pair_classifier, mlp_dim: 64}"])
+    assert (r.model.heads["same"].mlp_dim, r.model.heads["same"].fc_norm) == (64, True)  # merged
+    with pytest.raises(RecipeError, match="unknown recipe key 'model.heads.same.mlp_dim'"):
+        load_recipe(retrieval, ["model.heads.same={kind: classifier, num_classes: 2, mlp_dim: 3}"])
+
+
 def test_quotes_and_null_on_string_keys():
     r = load_recipe(QUICKSTART, ["name='yes'", "logger.group=null"])
     assert r.name == "yes"

@@ -171,7 +171,9 @@ def resume_setting(value: str | None) -> str | None:
 
 
 def _apply_overrides(cfg: DictConfig, overrides, unknown: list) -> list:
-    """Apply ``key=value`` overrides in order, each typed by the schema at its key. Returns ``unknown``
+    """Apply ``key=value`` overrides in order, each typed by the schema at its key; a mapping is merged
+    into the mapping at its key, unless it names another ``kind`` than that component's: then it
+    replaces it (``model.heads.x={kind: classifier, num_classes: 2}`` over a ``pair_classifier``). Returns ``unknown``
     with every unknown key the overrides name added (those overrides are not applied); after the first
     unknown key, an override that fails otherwise stops the loop instead of raising.
 
@@ -189,8 +191,19 @@ def _apply_overrides(cfg: DictConfig, overrides, unknown: list) -> list:
         if found:
             unknown += found
             continue
+        # a mapping of another kind replaces the component (its old options belong to the old kind);
+        # a mapping of the same kind, or without one, is merged into it
+        node = OmegaConf.select(cfg, key, default=None)
+        merge = not (
+            isinstance(value, dict)
+            and isinstance(node, DictConfig)
+            and "kind" in value
+            and node.get("kind") not in (None, value["kind"])
+        )
         try:
-            _guard("", lambda k=key, v=value: OmegaConf.update(cfg, k, v, merge=True), RecipeConfig, key)
+            _guard(
+                "", lambda k=key, v=value, m=merge: OmegaConf.update(cfg, k, v, merge=m), RecipeConfig, key
+            )
         except RecipeError:
             if unknown:
                 break
