@@ -30,17 +30,41 @@ def test_whole_component_override_is_typed_by_its_kind():
     assert r.tasks["mnist"].data.batch_size == 16
 
 
-def test_a_mapping_of_another_kind_replaces_the_component_one_of_the_same_kind_merges():
+def test_a_mapping_of_another_kind_drops_the_old_kinds_options_at_any_depth(caplog):
     retrieval = Path(__file__).parents[1] / "recipes/long_context/lra_retrieval_kjv.yaml"
-    plain = "model.heads.same={kind: classifier, num_classes: 2, drop: 0.1}"  # the pair head's options go
-    cls = "model.tokenizers.bytes.class_token=true"
-    r = load_recipe(retrieval, [plain, "tasks.retrieval.data.pairs=false", cls])
-    assert r.model.heads["same"].kind == "classifier" and r.model.heads["same"].drop == 0.1
-    assert r.model.heads["same"].pool == "cls"  # the classifier's default, not the pair head's "mean"
+    plain = "model.heads.same={kind: classifier, num_classes: 2, drop: 0.1}"
+    with caplog.at_level("WARNING", logger="mmformer"):
+        r = load_recipe(retrieval, [plain, "tasks.retrieval.data.pairs=false"])
+    head = r.model.heads["same"]
+    assert (head.kind, head.drop, head.pool, head.fc_norm) == ("classifier", 0.1, "mean", True)  # shared kept
+    (said,) = [rec.getMessage() for rec in caplog.records if "changes kind" in rec.getMessage()]
+    assert said.endswith(
+        "'model.heads.same' changes kind pair_classifier → classifier; dropped the pair_classifier options "
+        "interaction, mlp_dim (the others are kept)"
+    )
+    nested = "model.heads={same: {kind: classifier, num_classes: 2}}"  # a kind change inside a parent mapping
+    assert (
+        load_recipe(retrieval, [nested, "tasks.retrieval.data.pairs=false"]).model.heads["same"].kind
+        == "classifier"
+    )
     r = load_recipe(retrieval, ["model.heads.same={kind: pair_classifier, mlp_dim: 64}"])
-    assert (r.model.heads["same"].mlp_dim, r.model.heads["same"].fc_norm) == (64, True)  # merged
+    assert (r.model.heads["same"].mlp_dim, r.model.heads["same"].interaction) == (
+        64,
+        "nli",
+    )  # same kind: merged
     with pytest.raises(RecipeError, match="unknown recipe key 'model.heads.same.mlp_dim'"):
         load_recipe(retrieval, ["model.heads.same={kind: classifier, num_classes: 2, mlp_dim: 3}"])
+    joint = Path(__file__).parents[1] / "recipes/multimodal/joint_text_image_audio.yaml"
+    before = load_recipe(joint).tasks["words"].data
+    after = (
+        load_recipe(joint, ["tasks.words.data={kind: audio_manifest, root: spoken-words}"])
+        .tasks["words"]
+        .data
+    )
+    assert after.kind == "audio_manifest" and after.batch_size == before.batch_size  # loader options kept
+    # a backbone that names no kind is the default transformer: a pretrained one drops its sizes
+    quick = load_recipe(QUICKSTART, ["model.backbone={kind: pretrained, source: smollm2-135m-instruct}"])
+    assert quick.model.backbone.kind == "pretrained"
 
 
 def test_quotes_and_null_on_string_keys():

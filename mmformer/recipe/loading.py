@@ -12,6 +12,7 @@ across parts runs here too (``checks.check_recipe``), so ``info``, ``validate``,
 
 from __future__ import annotations
 
+import logging
 import re
 import typing
 from dataclasses import asdict, fields, is_dataclass
@@ -26,9 +27,11 @@ from .. import components  # noqa: F401  (registers the built-in kinds the recip
 from ..errors import RecipeError, did_you_mean
 from ..registry import lookup
 from .checks import check_recipe, keep_only
-from .schema import override_value, unknown_keys, unknown_keys_message
+from .schema import kind_changes, override_value, unknown_keys, unknown_keys_message
 from .sections import RecipeConfig
 from .trainer_args import flatten_extra, move_lightning_args, move_override, trainer_keys
+
+log = logging.getLogger("mmformer")
 
 
 def load_recipe(source: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeConfig:
@@ -172,8 +175,10 @@ def resume_setting(value: str | None) -> str | None:
 
 def _apply_overrides(cfg: DictConfig, overrides, unknown: list) -> list:
     """Apply ``key=value`` overrides in order, each typed by the schema at its key; a mapping is merged
-    into the mapping at its key, unless it names another ``kind`` than that component's: then it
-    replaces it (``model.heads.x={kind: classifier, num_classes: 2}`` over a ``pair_classifier``). Returns ``unknown``
+    into the mapping at its key, and where it gives a component another ``kind`` (at any depth) the
+    component's options that the new kind lacks are dropped first, with a warning naming them
+    (``model.heads.x={kind: classifier, num_classes: 2}`` over a ``pair_classifier`` drops its
+    ``interaction`` and ``mlp_dim``, keeps ``pool``). Returns ``unknown``
     with every unknown key the overrides name added (those overrides are not applied); after the first
     unknown key, an override that fails otherwise stops the loop instead of raising.
 
@@ -191,19 +196,18 @@ def _apply_overrides(cfg: DictConfig, overrides, unknown: list) -> list:
         if found:
             unknown += found
             continue
-        # a mapping of another kind replaces the component (its old options belong to the old kind);
-        # a mapping of the same kind, or without one, is merged into it
-        node = OmegaConf.select(cfg, key, default=None)
-        merge = not (
-            isinstance(value, dict)
-            and isinstance(node, DictConfig)
-            and "kind" in value
-            and node.get("kind") not in (None, value["kind"])
-        )
+        for where, old, new, dropped in kind_changes(cfg, _nested(path, value)):
+            # another kind: the old component's options that the new kind lacks are dropped, not merged
+            component = OmegaConf.select(cfg, ".".join(where))
+            for k in dropped:
+                del component[k]
+            if dropped:
+                log.warning(
+                    f"override {item!r}: '{'.'.join(where)}' changes kind {old} → {new}; dropped the {old} "
+                    f"options {', '.join(dropped)} (the others are kept)"
+                )
         try:
-            _guard(
-                "", lambda k=key, v=value, m=merge: OmegaConf.update(cfg, k, v, merge=m), RecipeConfig, key
-            )
+            _guard("", lambda k=key, v=value: OmegaConf.update(cfg, k, v, merge=True), RecipeConfig, key)
         except RecipeError:
             if unknown:
                 break

@@ -77,6 +77,36 @@ def unknown_keys(cfg, node: Any, path: tuple[str, ...] = (), kinds: dict | None 
     return found
 
 
+def kind_changes(
+    cfg, node: Any, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], str, str, list[str]]]:
+    """``(path, old kind, new kind, keys of the old component the new kind does not have)`` for every
+    component that ``node`` (an override's value at ``path``, nested mappings included) gives another
+    ``kind`` than ``cfg`` has there (the slot's default kind where ``cfg`` names none). Unknown kinds and
+    unreadable ones (an unresolvable interpolation) are left to the checks that name them."""
+    if not isinstance(node, dict):
+        return []
+    found = []
+    slot = _SLOTS.get(_pattern(path))
+    new = node.get("kind")
+    if slot is not None and isinstance(new, str):
+        here = ".".join(path)
+        old_node = OmegaConf.select(cfg, here, default=None, throw_on_resolution_failure=False)
+        if OmegaConf.is_dict(old_node):
+            old = OmegaConf.select(cfg, here + ".kind", default=None, throw_on_resolution_failure=False)
+            old = old if isinstance(old, str) else slot[1]
+            try:
+                keep = field_names(lookup(slot[0], new).config)
+            except KeyError:
+                keep = None
+            if old is not None and old != new and keep is not None:
+                dropped = [str(k) for k in old_node.keys() if str(k) not in keep]
+                found.append((path, old, new, dropped))
+    for key, value in node.items():
+        found += kind_changes(cfg, value, (*path, str(key)))
+    return found
+
+
 def unknown_keys_message(found: list) -> str:
     """One line naming every unknown key, each with its did-you-mean (the valid keys for a lone one)."""
     found = [(".".join(path), options) for path, options in found]
