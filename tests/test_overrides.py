@@ -67,6 +67,23 @@ def test_a_mapping_of_another_kind_drops_the_old_kinds_options_at_any_depth(capl
     assert quick.model.backbone.kind == "pretrained"
 
 
+def test_a_kind_change_never_reaches_through_an_alias(tmp_path):
+    """A head that is an interpolation of another: the override replaces the alias, the other is untouched."""
+    retrieval = (Path(__file__).parents[1] / "recipes/long_context/lra_retrieval_kjv.yaml").read_text()
+    text = retrieval.replace("interaction: nli, mlp_dim: 128}", "interaction: concat, mlp_dim: 32}")
+    text = text.replace("heads: {same: ", "heads: {same2: '${model.heads.same}', same: ")
+    text = text.replace(
+        "tasks:\n",
+        "tasks:\n  plain: {kind: classification, tokenizer: bytes, head: same2, data: {kind: sequences, "
+        "root: kjv-pairs, batch_size: 4}}\n",
+    )
+    path = tmp_path / "aliased.yaml"
+    path.write_text(text)
+    r = load_recipe(path, ["model.heads.same2={kind: classifier, num_classes: 2, pool: mean}"])
+    assert (r.model.heads["same"].interaction, r.model.heads["same"].mlp_dim) == ("concat", 32)
+    assert r.model.heads["same2"].kind == "classifier"
+
+
 def test_quotes_and_null_on_string_keys():
     r = load_recipe(QUICKSTART, ["name='yes'", "logger.group=null"])
     assert r.name == "yes"

@@ -82,19 +82,21 @@ def kind_changes(
 ) -> list[tuple[tuple[str, ...], str, str, list[str]]]:
     """``(path, old kind, new kind, keys of the old component the new kind does not have)`` for every
     component that ``node`` (an override's value at ``path``, nested mappings included) gives another
-    ``kind`` than ``cfg`` has there (the slot's default kind where ``cfg`` names none). Unknown kinds and
-    unreadable ones (an unresolvable interpolation) are left to the checks that name them."""
+    ``kind`` than ``cfg`` has there (the slot's default kind where ``cfg`` names none). Unknown kinds,
+    unreadable ones (an unresolvable interpolation, ``???``) and components reached through an
+    interpolation (an alias of another component, which the override replaces whole) are left out."""
     if not isinstance(node, dict):
         return []
     found = []
     slot = _SLOTS.get(_pattern(path))
     new = node.get("kind")
-    if slot is not None and isinstance(new, str):
+    old_node = _plain_node(cfg, path) if slot is not None and isinstance(new, str) else None
+    if old_node is not None:
         here = ".".join(path)
-        old_node = OmegaConf.select(cfg, here, default=None, throw_on_resolution_failure=False)
-        if OmegaConf.is_dict(old_node):
-            old = OmegaConf.select(cfg, here + ".kind", default=None, throw_on_resolution_failure=False)
-            old = old if isinstance(old, str) else slot[1]
+        old = OmegaConf.select(cfg, here + ".kind", default=None, throw_on_resolution_failure=False)
+        if "kind" not in old_node.keys():  # the file names no kind: the slot's default (a ??? value counts)
+            old = slot[1]
+        if isinstance(old, str):  # else unreadable (an unresolvable interpolation, ???): left to the checks
             try:
                 keep = field_names(lookup(slot[0], new).config)
             except KeyError:
@@ -105,6 +107,16 @@ def kind_changes(
     for key, value in node.items():
         found += kind_changes(cfg, value, (*path, str(key)))
     return found
+
+
+def _plain_node(cfg, path: tuple[str, ...]):
+    """The mapping at ``path`` when neither it nor any parent is an interpolation, else None."""
+    node = cfg
+    for key in path:
+        if not OmegaConf.is_dict(node) or key not in node or OmegaConf.is_interpolation(node, key):
+            return None
+        node = node[key]
+    return node if OmegaConf.is_dict(node) else None
 
 
 def unknown_keys_message(found: list) -> str:
