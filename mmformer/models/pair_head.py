@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.tokens import Tokens
+from .heads import ClassifierHead
 
 INTERACTIONS = ("nli", "concat")
 
@@ -63,16 +64,13 @@ class PairClassifierHead(nn.Module):
         norm_eps: float = 1e-6,
     ):
         super().__init__()
-        if pool not in ("cls", "mean"):
-            raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
-        if pool == "cls" and num_prefix_tokens < 1:
-            raise ValueError("pool='cls' needs a tokenizer with a class token (class_token: true)")
         if interaction not in INTERACTIONS:
             raise ValueError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
         if num_classes < 1 or mlp_dim < 2:
             raise ValueError(f"num_classes must be >= 1 and mlp_dim >= 2, got {num_classes}, {mlp_dim}")
-        self.pool, self.num_prefix_tokens, self.interaction = pool, num_prefix_tokens, interaction
-        self.fc_norm = nn.LayerNorm(d_model, eps=norm_eps) if fc_norm else nn.Identity()
+        self.interaction = interaction
+        # each sequence's vector: a classifier head without its projection (pooled, fc_norm-ed features)
+        self.pooler = ClassifierHead(d_model, 0, pool, num_prefix_tokens, fc_norm, norm_eps=norm_eps)
         features = (4 if interaction == "nli" else 2) * d_model
         self.mlp = nn.Sequential(
             nn.Linear(features, mlp_dim),
@@ -84,15 +82,7 @@ class PairClassifierHead(nn.Module):
 
     @property
     def reads(self) -> slice | None:
-        return slice(0, 1) if self.pool == "cls" else None
-
-    def pooled(self, hidden: Tensor, tokens: Tokens) -> Tensor:
-        """One vector per sequence ``(rows, D)``: its class token, or the mean of its valid tokens."""
-        if self.pool == "cls":
-            return self.fc_norm(hidden[:, 0])
-        h = hidden[:, self.num_prefix_tokens :]  # (rows, N - prefix, D)
-        w = tokens.valid[:, self.num_prefix_tokens :].unsqueeze(-1).to(h.dtype)
-        return self.fc_norm((h * w).sum(1) / w.sum(1).clamp_min(1.0))
+        return self.pooler.reads
 
     def forward(self, hidden: Tensor, tokens: Tokens) -> Tensor:
         rows = hidden.shape[0]
@@ -100,6 +90,6 @@ class PairClassifierHead(nn.Module):
             raise ValueError(
                 f"a pair classifier reads 2B rows (first sequences, then second ones), got {rows} rows"
             )
-        u, v = self.pooled(hidden, tokens).chunk(2)  # (B, D) each
+        u, v = self.pooler(hidden, tokens).chunk(2)  # (B, D) each
         x = torch.cat([u, v, u * v, u - v] if self.interaction == "nli" else [u, v], -1)
         return self.mlp(x)

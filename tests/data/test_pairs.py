@@ -112,7 +112,7 @@ def test_a_pairs_logits_do_not_depend_on_the_batch_or_its_padding(pairs_root, tm
         together = model(batch["ids"], "ids", "same", valid=batch["ids_valid"])
         for i, it in enumerate(items):  # each half encoded alone, unpadded, then the head's MLP
             u, v = (model.encode("ids", it[k][None])[0].mean(1) for k in ("ids", "ids_b"))
-            u, v = head.fc_norm(u), head.fc_norm(v)
+            u, v = head.pooler.fc_norm(u), head.pooler.fc_norm(v)
             alone = head.mlp(torch.cat([u, v, u * v, u - v], -1))
             torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-4)
 
