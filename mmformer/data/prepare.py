@@ -47,6 +47,7 @@ class Bundled:
     marker: str = ".complete"
     needs: tuple[str, ...] = ()  # programs or files the source needs (Debian packages), for missing()
     install: str = ""  # the command that provides them
+    pairs: bool = False  # sequences stored as two joined by a separator (read by data.pairs: true)
 
     def is_prepared(self, path: Path) -> bool:
         return (path / self.marker).is_file()
@@ -367,6 +368,7 @@ BUNDLED: dict[str, Bundled] = {
         build_kjv_pairs,
         needs=("bible",),
         install="apt-get install bible-kjv",
+        pairs=True,
     ),
     "mnist5k-pixels": Bundled(
         "mnist5k-pixels",

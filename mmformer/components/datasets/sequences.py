@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ...data.prepare import BUNDLED
 from ...data.sequences import sequences_data
 from ...errors import RecipeError, positive
 from ...nn.kernels import position_biases
@@ -40,6 +41,13 @@ class SequencesDataConfig(LoaderConfig):
         if tok.kind != "ids":
             raise RecipeError(
                 f"'{where}': sequences data is read by an ids tokenizer; {task.tokenizer!r} is {tok.kind}"
+            )
+        bundled = BUNDLED.get(str(self.root))
+        if self.pairs and bundled is not None and not bundled.pairs:  # said before preparing it
+            sets = ", ".join(n for n, b in BUNDLED.items() if b.pairs)
+            raise RecipeError(
+                f"'{where}.pairs' is true but the bundled set {self.root!r} holds single sequences, not pairs "
+                f"(bundled pair sets: {sets})"
             )
         name = getattr(task, "head", None)
         head = recipe.model.heads.get(name)
