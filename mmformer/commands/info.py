@@ -69,8 +69,9 @@ def describe_model(model, recipe) -> list[str]:
         head = getattr(task, "head", None)  # a prefix-LM's sequence mixes two tokenizers: not counted yet
         if head is not None and hasattr(tok, "example_input") and task.tokenizer not in model.towers:
             rows = getattr(model.heads[head], "rows_per_sample", 1)  # a pair head reads two sequences
-            flops = count_flops(model, tok.example_input(rows), task.tokenizer, head)
-            length = tok.example_input(1).shape[1] if hasattr(tok, "vocab_size") else None
+            inputs = tok.example_input(rows)
+            flops = count_flops(model, inputs, task.tokenizer, head)
+            length = inputs.shape[1] if hasattr(tok, "vocab_size") else None
             what = (
                 "sample"
                 if length is None

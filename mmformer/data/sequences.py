@@ -174,7 +174,8 @@ def sequences_data(
         split_pairs = partial(TokenPairs, separator=meta["separator"], max_len=cfg.max_len)
         val = split_pairs(val, where=str(root / f"{cfg.val_split}.npz"))
         train_pairs = split_pairs(train, where=str(root / f"{cfg.train_split}.npz"))
-    if cfg.limit_train is not None and cfg.limit_train < len(train):
+    limited = cfg.limit_train is not None and cfg.limit_train < len(train)
+    if limited:
         keep = np.sort(np.random.default_rng(seed).permutation(len(train))[: cfg.limit_train])
         lengths = np.diff(train.offsets)[keep]
         chunks = [train.tokens[train.offsets[i] : train.offsets[i + 1]] for i in keep]
@@ -182,7 +183,6 @@ def sequences_data(
         train = TokenSequences(np.concatenate(chunks), offsets, train.labels[keep], max_len)
     what = "sequences of"
     if cfg.pairs:
-        limited = cfg.limit_train is not None and cfg.limit_train < len(train_pairs)
         train = split_pairs(train, where=f"{cfg.train_split}.npz, limited") if limited else train_pairs
         max_len, what = max(train.longest(), val.longest()), "pairs whose halves have"
     if max_positions is not None and max_len > max_positions:

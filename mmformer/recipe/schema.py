@@ -101,7 +101,7 @@ def kind_changes(
                 keep = field_names(lookup(slot[0], new).config)
             except KeyError:
                 keep = None
-            if old is not None and old != new and keep is not None:
+            if old != new and keep is not None:
                 dropped = [str(k) for k in old_node.keys() if str(k) not in keep]
                 found.append((path, old, new, dropped))
     for key, value in node.items():
