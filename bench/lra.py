@@ -23,12 +23,16 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {
@@ -171,8 +175,6 @@ def accuracy(
 
 def baselines(tasks: list[str], firsts: tuple[int, ...] = (1, 2, 3)) -> None:
     """Validation accuracy of label-only and first-tokens-only predictors, from each task's data."""
-    from collections import Counter, defaultdict
-
     from mmformer.data.roots import resolve_root
     from mmformer.data.sequence_format import read_meta, read_split
     from mmformer.recipe import load_recipe
@@ -200,6 +202,101 @@ def baselines(tasks: list[str], firsts: tuple[int, ...] = (1, 2, 3)) -> None:
             guess = {key: c.most_common(1)[0][0] for key, c in seen.items()}
             cells.append(sum(guess.get(ids[:k], majority) == label for ids, label in val) / len(val))
         print(f"| {task} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
+    byte_tasks = [t for t in tasks if t in ("text", "retrieval")]
+    if byte_tasks:  # what the byte-level data holds, read without order
+        print(
+            "\n| task | predictor (no order) | " + " | ".join(UNITS) + " |\n|---|---|" + "---|" * len(UNITS)
+        )
+    for task in byte_tasks:
+        (cfg,) = load_recipe(ROOT / RECIPES[task]).tasks.values()
+        root = resolve_root(str(cfg.data.root))
+        meta = read_meta(root)
+        name, predict = {
+            "text": ("multinomial naive Bayes", _naive_bayes),
+            "retrieval": (
+                "TF-IDF cosine of the two passages, threshold fit on the training pairs",
+                _tfidf_pairs,
+            ),
+        }[task]
+        cells = []
+        for units in UNITS.values():
+            train, val = (
+                _passages(root, meta, split, units) for split in (cfg.data.train_split, cfg.data.val_split)
+            )
+            cells.append(predict(train, val))
+        print(f"| {task} | {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
+
+
+def _passages(root: Path, meta: dict, split: str, units) -> list[tuple[list[Counter], int]]:
+    """Each stored sequence as counts of its ``units`` (a function of the passage's bytes), one count per
+    passage — two for a pair stored as "A, separator, B" — and its label."""
+    from mmformer.data.sequence_format import read_split
+
+    tokens, offsets, labels = read_split(root, split, meta)
+    separator = meta.get("separator")
+    out = []
+    for a, b, label in zip(offsets[:-1], offsets[1:], labels):
+        ids = tokens[a:b]
+        cuts = [0, *(np.flatnonzero(ids == separator) if separator is not None else []), len(ids)]
+        parts = [ids[i + (i > 0) : j] for i, j in zip(cuts[:-1], cuts[1:])]
+        out.append(([units(bytes(p.astype(np.uint8))) for p in parts], int(label)))
+    return out
+
+
+# what a passage is counted in: its bytes, its overlapping 4-byte windows, its words (split on
+# whitespace, punctuation stripped, lower case)
+UNITS = {
+    "bytes": lambda text: Counter(text),
+    "byte 4-grams": lambda text: Counter(text[i : i + 4] for i in range(len(text) - 3)),
+    "words": lambda text: Counter(w.strip(b".,;:?!()'\"").lower() for w in text.split()),
+}
+
+
+def _naive_bayes(train: list, val: list) -> float:
+    """Multinomial naive Bayes (add-one smoothing) over words: validation accuracy."""
+    counts: dict[int, Counter] = defaultdict(Counter)
+    prior = Counter(label for _, label in train)
+    for (words,), label in train:
+        counts[label].update(words)
+    vocab = len(set().union(*counts.values()))
+    totals = {k: sum(c.values()) + vocab for k, c in counts.items()}
+
+    def guess(words: Counter) -> int:
+        return max(
+            counts,
+            key=lambda k: (
+                math.log(prior[k])
+                + sum(n * math.log((counts[k][w] + 1) / totals[k]) for w, n in words.items())
+            ),
+        )
+
+    return sum(guess(words) == label for (words,), label in val) / len(val)
+
+
+def _tfidf_pairs(train: list, val: list) -> float:
+    """Cosine similarity of the two passages' TF-IDF word vectors (document frequencies from the
+    training passages), "same" above the threshold that is most accurate on the training pairs:
+    validation accuracy."""
+    df = Counter(w for halves, _ in train for words in halves for w in words)
+    n_docs = 2 * len(train)
+
+    def cosine(u: Counter, v: Counter) -> float:
+        wu = {w: n * math.log(n_docs / (1 + df[w])) for w, n in u.items()}
+        wv = {w: n * math.log(n_docs / (1 + df[w])) for w, n in v.items()}
+        dot = sum(x * wv.get(w, 0.0) for w, x in wu.items())
+        norm = math.sqrt(sum(x * x for x in wu.values()) * sum(x * x for x in wv.values()))
+        return dot / norm if norm else 0.0
+
+    scored = sorted((cosine(*halves), label) for halves, label in train)
+    positives_above = sum(label for _, label in scored)
+    best, threshold, negatives_below = -1, float("inf"), 0
+    for score, label in scored:  # "same" from this score on
+        right = negatives_below + positives_above
+        if right > best:
+            best, threshold = right, score
+        negatives_below += label == 0
+        positives_above -= label == 1
+    return sum((cosine(*halves) >= threshold) == bool(label) for halves, label in val) / len(val)
 
 
 def speed(lengths: list[int], kernels: list[str], steps: int, extra: list[str]) -> None:

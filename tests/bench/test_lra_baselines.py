@@ -1,0 +1,56 @@
+"""The order-free baselines of the LRA comparison (``bench/lra.py baselines``: what the byte-level Text and
+Retrieval data hold) on exact small cases, reading data written in the sequences format."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+
+from mmformer.data.sequence_format import read_meta, write_meta, write_split
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_lra", Path(__file__).resolve().parents[2] / "bench" / "lra.py"
+)
+lra = sys.modules["bench_lra"] = importlib.util.module_from_spec(_spec)  # bench/ is no package
+_spec.loader.exec_module(lra)
+words = lra.UNITS["words"]
+
+
+def test_units_count_bytes_four_grams_and_words():
+    assert lra.UNITS["bytes"](b"abca") == Counter({97: 2, 98: 1, 99: 1})
+    assert lra.UNITS["byte 4-grams"](b"abcab") == Counter({b"abca": 1, b"bcab": 1})
+    assert lra.UNITS["byte 4-grams"](b"abc") == Counter()
+    assert words(b"And God said, Let there be light: and there was light.") == Counter(
+        {b"and": 2, b"god": 1, b"said": 1, b"let": 1, b"there": 2, b"be": 1, b"light": 2, b"was": 1}
+    )
+
+
+def test_passages_split_a_pair_at_its_separator(tmp_path):
+    a, b, c = (list(s.encode()) for s in ("In the beginning", "Jesus wept", "Amen"))
+    write_split(tmp_path, "train", [[*a, 256, *b], c], [1, 0])
+    write_meta(tmp_path, 257, 64, ["different", "same"], {"train": 2}, separator=256)
+    pair, single = lra._passages(tmp_path, read_meta(tmp_path), "train", words)
+    assert pair == ([words(b"In the beginning"), words(b"Jesus wept")], 1)
+    assert single == ([words(b"Amen")], 0)
+
+
+def test_naive_bayes_uses_counts_and_the_prior():
+    train = [([Counter({"lamb": 2})], 0), ([Counter({"lamb": 1, "lion": 1})], 1), ([Counter({"lion": 2})], 1)]
+    # class 0: P(lamb) = 3/4, P(lion) = 1/4; class 1: P(lamb) = 2/6, P(lion) = 4/6 (add-one); prior 1/3, 2/3
+    val = [([Counter({"lamb": 1})], 0), ([Counter({"lion": 1})], 1), ([Counter({"lamb": 1, "lion": 1})], 1)]
+    # lamb+lion: class 0 1/3 * 3/4 * 1/4 = 0.0625 < class 1 2/3 * 2/6 * 4/6 = 0.148
+    assert lra._naive_bayes(train, val) == 1.0
+    assert lra._naive_bayes(train, [([Counter({"lamb": 1, "lion": 1})], 0)]) == 0.0
+
+
+def test_tfidf_pairs_threshold_separates_shared_from_disjoint_words():
+    same = lambda w: ([Counter({w: 1, "the": 3}), Counter({w: 2, "the": 1})], 1)  # noqa: E731
+    other = lambda w, v: ([Counter({w: 1, "the": 3}), Counter({v: 1, "the": 3})], 0)  # noqa: E731
+    train = [same("lamb"), same("lion"), other("lamb", "lion"), other("dove", "ark")]
+    val = [same("dove"), other("lion", "ark"), other("ark", "dove")]
+    # "the" is in every training passage: idf log(8 / 9) < 0 weighs it, the same for every pair, so the
+    # shared rare word decides; the threshold fit on the training pairs sorts every validation pair
+    assert lra._tfidf_pairs(train, val) == 1.0
+    assert lra._tfidf_pairs(train, [([Counter({"lamb": 1}), Counter({"lamb": 1})], 0)]) == 0.0
