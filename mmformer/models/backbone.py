@@ -275,7 +275,7 @@ class Backbone(nn.Module):
         bigbird = self.long_context.bigbird
         layout = None  # one block pattern over the whole (cached + new) sequence
         if bigbird is not None:
-            layout = bigbird.layout(valid.shape[1]).to(valid.device)
+            layout = bigbird.layout(valid.shape[1], self.causal).to(valid.device)
         mask = MaskSpec.from_tokens(
             valid,
             document,

@@ -162,11 +162,12 @@ class BigBirdConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"BigBirdConfig.{name} must be >= 0, got {getattr(self, name)}")
 
-    def layout(self, n_tokens: int) -> Tensor:
+    def layout(self, n_tokens: int, causal: bool = False) -> Tensor:
         """The ``(n_blocks, n_blocks)`` bool block layout (True = query block may read key block) over
-        ``n_tokens`` tokens, the last block possibly partial (``mmformer.nn.masks.bigbird_layout``)."""
+        ``n_tokens`` tokens, the last block possibly partial (``mmformer.nn.masks.bigbird_layout``;
+        ``causal``: random blocks among earlier ones only, the same rows at every length)."""
         n_blocks = math.ceil(n_tokens / self.block)
-        return bigbird_layout(n_blocks, self.window, self.global_blocks, self.random_blocks)
+        return bigbird_layout(n_blocks, self.window, self.global_blocks, self.random_blocks, causal=causal)
 
 
 @dataclass(frozen=True)

@@ -199,19 +199,29 @@ class MaskSpec:
 
 
 def bigbird_layout(
-    n_blocks: int, window: int = 1, global_blocks: int = 1, random_blocks: int = 1, seed: int = 0
+    n_blocks: int,
+    window: int = 1,
+    global_blocks: int = 1,
+    random_blocks: int = 1,
+    seed: int = 0,
+    causal: bool = False,
 ) -> Tensor:
     """BigBird's block-sparse pattern (Zaheer et al. 2020, §2 and App. D, "ITC"): ``(n_blocks, n_blocks)``
     bool, True where query block ``i`` may read key block ``j``: a band of ``window`` blocks on each
     side, ``global_blocks`` leading blocks that read and are read by every block, and ``random_blocks``
-    other key blocks per query block drawn with ``seed``. Attention cost grows linearly with length."""
+    other key blocks per query block drawn with ``seed``. Attention cost grows linearly with length.
+
+    ``causal``: the random blocks are drawn among earlier blocks only, so each row's pattern does not
+    depend on how many blocks follow it — a causal model computes the same function on a prefix as on
+    the whole sequence (training and KV-cache decoding agree at every length). Without it the draws
+    range over every block, as BigBird's bidirectional encoder does, and depend on ``n_blocks``."""
     i = torch.arange(n_blocks)
     layout = (i[:, None] - i[None, :]).abs() <= window
     layout[:global_blocks, :] = True
     layout[:, :global_blocks] = True
     g = torch.Generator().manual_seed(seed)
     for row in range(global_blocks, n_blocks):
-        free = (~layout[row]).nonzero().flatten()
+        free = (~layout[row, : row if causal else n_blocks]).nonzero().flatten()
         if len(free):
             pick = free[torch.randperm(len(free), generator=g)[:random_blocks]]
             layout[row, pick] = True

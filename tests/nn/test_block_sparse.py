@@ -23,6 +23,41 @@ def test_layout_has_band_global_and_random_blocks():
     assert bigbird_layout(64, 1, 2, 2).float().mean() < 0.15  # cost linear in length: sparse
 
 
+def test_causal_layout_draws_random_blocks_from_the_past_and_keeps_every_prefix():
+    full = bigbird_layout(16, window=1, global_blocks=1, random_blocks=2, seed=5, causal=True)
+    for i in range(4, 16):  # two random blocks, each earlier than the band
+        assert int(full[i, : i - 1].sum()) == 3  # the global block and two random ones
+    for n in range(1, 16):  # a row's pattern never depends on the blocks after it
+        assert torch.equal(bigbird_layout(n, 1, 1, 2, seed=5, causal=True), full[:n, :n])
+    # without causal the draws range over all blocks: a prefix's rows change with the length
+    assert not all(
+        torch.equal(bigbird_layout(n, 1, 1, 2, seed=5), bigbird_layout(16, 1, 1, 2, seed=5)[:n, :n])
+        for n in range(4, 16)
+    )
+
+
+def test_a_causal_bigbird_model_computes_the_same_on_a_prefix_as_on_the_whole():
+    from mmformer.models.heads import LMHead
+    from mmformer.models.model import MultimodalModel
+    from mmformer.tokenizers import TextEmbedding
+
+    torch.manual_seed(0)
+    backbone = build_backbone(
+        32,
+        2,
+        AttentionConfig(4),
+        positions=PositionConfig("rope"),
+        long_context=LongContextConfig(bigbird=BigBirdConfig(block=2, window=0, random_blocks=1)),
+        causal=True,
+    )
+    model = MultimodalModel({"text": TextEmbedding(50, 32)}, backbone, {"lm": LMHead(32, 50)}).eval()
+    ids = torch.randint(0, 50, (1, 40))
+    with torch.no_grad():
+        full = model(ids, "text", "lm")
+        for n in (9, 17, 26, 33):  # 5, 9, 13 and 17 blocks of the 20
+            torch.testing.assert_close(model(ids[:, :n], "text", "lm"), full[:, :n], rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_agree_on_the_block_sparse_mask():
     torch.manual_seed(0)
     attn = Attention(32, 4).eval()
