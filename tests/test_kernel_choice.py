@@ -28,23 +28,27 @@ def test_a_kernel_without_the_masks_the_recipe_needs_is_refused_at_load():
     with pytest.raises(RecipeError) as e:
         recipe_from_yaml(_joint(), ["model.backbone.attn_kernel=lsh"])
     msg = str(e.value)
-    assert "'model.backbone.attn_kernel': lsh does not implement spans masks" in msg
-    assert msg.endswith("kernels that do: eager, sdpa, flex")
+    assert "'model.backbone.attn_kernel': lsh does not implement documents, spans masks" in msg
+    assert "kernels that do: eager, sdpa, flex (tasks.corpus.data: pack: true puts several documents" in msg
     recipe_from_yaml(_joint(), ["model.backbone.attn_kernel=flex"])  # softmax kernels implement every rule
 
 
 def test_kernel_options_are_checked_by_name():
     text = _joint().replace("causal: true, bidirectional: [image]", "causal: true")
+    unpacked = ["tasks.corpus.data.pack=false"]  # each document alone: no documents masks
     ok = recipe_from_yaml(
-        text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={n_buckets: 8}"]
+        text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={n_buckets: 8}", *unpacked]
     )
     assert dict(ok.model.backbone.kernel_options) == {"n_buckets": 8}
     with pytest.raises(RecipeError, match="no option 'num_buckets'. Did you mean 'n_buckets'"):
         recipe_from_yaml(
-            text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={num_buckets: 8}"]
+            text,
+            ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={num_buckets: 8}", *unpacked],
         )
     with pytest.raises(RecipeError, match="positions alibi"):
-        recipe_from_yaml(text, ["model.backbone.attn_kernel=lsh", "model.backbone.positions=alibi"])
+        recipe_from_yaml(
+            text, ["model.backbone.attn_kernel=lsh", "model.backbone.positions=alibi", *unpacked]
+        )
 
 
 def test_kernel_option_values_and_needs_are_refused_at_load_naming_the_fix():
@@ -94,3 +98,53 @@ def test_a_kernels_parameters_survive_switching_kernels_and_back():
     attn.kernel = "eager"  # e.g. FLOP counting
     attn.kernel = "aft_full"
     torch.testing.assert_close(attn(x, MaskSpec()), before, rtol=0, atol=0)
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def _refused(recipe: Path, *overrides: str) -> str:
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe, list(overrides))
+    return str(e.value)
+
+
+def test_packed_documents_need_a_kernel_with_document_masks():
+    gpt = RECIPES / "text" / "gpt_mini_lm_kjv.yaml"  # data.pack: true (several documents per row)
+    msg = _refused(gpt, "model.backbone.attn_kernel=lsh")
+    assert "lsh does not implement documents masks, which this recipe needs (causal, documents)" in msg
+    assert msg.endswith(
+        "kernels that do: eager, sdpa, flex (tasks.kjv.data: pack: true puts several documents in a row, "
+        "which documents masks keep apart; set pack: false to pad each document alone)"
+    )
+    for kernel in ("lsh", "rfa", "performer", "aft_simple"):  # each document alone: every causal kernel
+        load_recipe(gpt, [f"model.backbone.attn_kernel={kernel}", "tasks.kjv.data.pack=false"])
+
+
+def test_cross_attention_and_kv_cache_decoding_are_refused_for_kernels_without_them():
+    encdec = RECIPES / "multimodal" / "encdec_asr_asterisk.yaml"  # block: cross, a seq2seq task
+    assert _refused(encdec, "model.backbone.attn_kernel=lsh") == (
+        "'model.backbone.attn_kernel': lsh is self-attention only, and block: cross attends to another "
+        "sequence too; kernels that can: eager, sdpa, flex, performer, aft_full, aft_simple, rfa"
+    )
+    gated = _refused(encdec, "model.backbone.attn_kernel=rfa", "model.backbone.kernel_options={gate: true}")
+    assert gated.startswith("'model.backbone.attn_kernel': rfa with gate: true (its gate decays along one")
+    assert _refused(encdec, "model.backbone.attn_kernel=performer") == (
+        "'model.backbone.attn_kernel': performer does not implement cache masks, which a seq2seq task's "
+        "decoder needs: it decodes from a KV cache at every validation; kernels that do: eager, sdpa, flex"
+    )
+    chameleon = RECIPES / "generation" / "chameleon_mnist5k.yaml"
+    assert "which a chameleon task needs: it samples from a KV cache" in _refused(
+        chameleon, "model.backbone.attn_kernel=aft_simple"
+    )
+
+
+@pytest.mark.parametrize("kernel", ["lsh", "aft_local"])
+def test_kernels_that_refuse_cross_attention_say_so(kernel):
+    from mmformer.nn.kernels import attends_across, build_kernel
+
+    options = {"lsh": {"n_buckets": 2, "chunk_size": 4}, "aft_local": {"max_len": 16, "window": 2}}[kernel]
+    assert not attends_across(kernel, options)
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 9, 8)
+    with pytest.raises(ValueError, match="self-attention"):
+        build_kernel(kernel, 2, 8, options)(q, k, k, MaskSpec())

@@ -22,7 +22,14 @@ from ..models.backbone_config import (
 )
 from ..models.presets import preset
 from ..nn.attention import KERNELS, SDPA_BACKENDS
-from ..nn.kernels import check_options, kernel_needs, kernel_rules, supporting, takes_score_bias
+from ..nn.kernels import (
+    attends_across,
+    check_options,
+    kernel_needs,
+    kernel_rules,
+    supporting,
+    takes_score_bias,
+)
 from ..nn.mlp import ACTIVATIONS
 from ..nn.norms import NORMS
 from ..nn.tokens import MODALITY_IDS
@@ -148,6 +155,7 @@ class BackboneConfig:
             kinds = {getattr(t, "kind", None) for t in recipe.tasks.values()}
             needs |= {"causal"} if kinds & {"causal_lm", "prefix_lm"} else set()
             needs |= {"spans"} if "prefix_lm" in kinds else set()
+            needs |= {"documents"} if packed_tasks(recipe) else set()
         return needs
 
     def check(self, recipe, where: str) -> None:
@@ -170,13 +178,49 @@ class BackboneConfig:
                 f"{', '.join(sorted(lacking))} attention, which this recipe does not use (set "
                 f"{where}.causal: true, or drop the option)"
             )
+        if self.block == "cross" and not attends_across(self.attn_kernel, dict(self.kernel_options)):
+            able = [k for k in KERNELS if k != "auto" and attends_across(k, {})]
+            gated = " with gate: true (its gate decays along one sequence)" if self.attn_kernel == "rfa" else ""
+            raise RecipeError(
+                f"'{where}.attn_kernel': {self.attn_kernel}{gated} is self-attention only, and block: cross "
+                f"attends to another sequence too; kernels that can: {', '.join(able)}"
+            )
         missing = needs - kernel_rules(self.attn_kernel)
         if missing:
+            packed = packed_tasks(recipe) if "documents" in missing and where == "model.backbone" else []
+            unpack = (
+                f" ({', '.join(packed)}: pack: true puts several documents in a row, which documents "
+                "masks keep apart; set pack: false to pad each document alone)"
+                if packed
+                else ""
+            )
             raise RecipeError(
                 f"'{where}.attn_kernel': {self.attn_kernel} does not implement {', '.join(sorted(missing))} "
                 f"masks, which this recipe needs ({', '.join(sorted(needs))}); kernels that do: "
-                f"{', '.join(supporting(frozenset(needs)))}"
+                f"{', '.join(supporting(frozenset(needs)))}{unpack}"
             )
+
+
+def require_kernel_rules(backbone, needs: frozenset[str], why: str) -> None:
+    """Refuses ``model.backbone.attn_kernel`` when it lacks one of the mask rules ``needs``
+    (``nn.kernels.MASK_RULES``), saying ``why`` the recipe needs them and naming the kernels that have
+    them all."""
+    missing = needs - kernel_rules(backbone.attn_kernel)
+    if missing:
+        raise RecipeError(
+            f"'model.backbone.attn_kernel': {backbone.attn_kernel} does not implement "
+            f"{', '.join(sorted(missing))} masks, which {why}; kernels that do: {', '.join(supporting(needs))}"
+        )
+
+
+def packed_tasks(recipe) -> list[str]:
+    """The ``tasks.<name>.data`` entries of ``recipe`` that pack several documents into one row
+    (``data.pack: true``): attention between them is cut by document masks."""
+    return [
+        f"tasks.{name}.data"
+        for name, task in recipe.tasks.items()
+        if getattr(getattr(task, "data", None), "pack", False) is True
+    ]
 
 
 @dataclass

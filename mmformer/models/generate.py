@@ -8,8 +8,10 @@ Shape legend: B batch, N tokens, V vocabulary.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from ..nn.attention import Attention
+from ..nn.kernels import kernel_rules
 from ..nn.kv_cache import KVCache
 from ..nn.onednn import faster_here, onednn_routed
 from ..nn.packed import packed_linears
@@ -102,11 +104,6 @@ def generate(
                 f"max_matching_ngram_size, got {prompt_lookup_num_tokens}, {min_matching_ngram_size}, "
                 f"{max_matching_ngram_size}"
             )
-    model.for_decoding()
-    if compile:
-        forward = compiled_step(model, tokenizer, "cached" if compile is True else compile)
-    else:
-        forward = model
     lengths = valid.sum(dim=1)
     if ids.shape[1] == 0 or bool((lengths == 0).any()):
         raise ValueError("every prompt needs at least one token")
@@ -118,6 +115,20 @@ def generate(
                 f"a prompt of {int(lengths.max())} tokens fills the model's context of {max_len}"
             )
         max_new_tokens = min(max_new_tokens, room)
+    without_cache = cacheless_kernels(model.backbone_of(tokenizer))
+    if without_cache:
+        if compile or prompt_lookup_num_tokens is not None:
+            raise ValueError(
+                f"compile and prompt_lookup_num_tokens decode from a KV cache, which the "
+                f"{', '.join(without_cache)} kernel cannot read: generate without them"
+            )
+        return _recomputing(model, tokenizer, head, ids, valid, max_new_tokens, eos_id, temperature, top_k,
+                            top_p, generator, stats)  # fmt: skip
+    model.for_decoding()
+    if compile:
+        forward = compiled_step(model, tokenizer, "cached" if compile is True else compile)
+    else:
+        forward = model
     # room for a draft verified at the last step too (its unkept positions are written, then cut): the
     # buffers never grow inside a compiled step, which would recompile it
     cache = KVCache(capacity=ids.shape[1] + max_new_tokens + (prompt_lookup_num_tokens or 0))
@@ -164,6 +175,41 @@ def generate(
             forwards += 1
     if steps is not None:
         steps.close()
+    if stats is not None:
+        stats.update(forwards=forwards)
+    return out
+
+
+def cacheless_kernels(backbone: nn.Module) -> list[str]:
+    """The attention kernels of ``backbone`` that cannot decode from a KV cache (their mask rules lack
+    ``cache``: LSH, AFT, RFA, the Performer), sorted; empty when every layer can."""
+    kernels = {m.kernel for m in backbone.modules() if isinstance(m, Attention)}
+    return sorted(k for k in kernels if "cache" not in kernel_rules(k))
+
+
+def _recomputing(
+    model, tokenizer, head, ids, valid, max_new_tokens, eos_id, temperature, top_k, top_p, generator, stats
+) -> list[list[int]]:
+    """``generate`` for a backbone whose kernel reads no KV cache: each new token runs the whole
+    left-padded sequence again (what transformers' ``use_cache=False`` does; quadratic in the new tokens,
+    for samples and short continuations). Every row stays in the batch to the last step."""
+    out: list[list[int]] = [[] for _ in range(ids.shape[0])]
+    ended = [False] * ids.shape[0]
+    forwards = -1  # the passes after the prompt's, as generate counts them
+    while max_new_tokens > 0:
+        hidden, tokens = model.encode(tokenizer, ids, valid=valid)
+        logits = model.heads[head](hidden[:, -1:], tokens)[:, -1]
+        forwards += 1
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        for i, t in enumerate(nxt.tolist()):
+            if not ended[i] and t == eos_id:
+                ended[i] = True
+            elif not ended[i]:
+                out[i].append(t)
+        if all(ended) or forwards + 1 >= max_new_tokens:
+            break
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+        valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
     if stats is not None:
         stats.update(forwards=forwards)
     return out

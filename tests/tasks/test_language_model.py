@@ -61,6 +61,36 @@ def test_cached_generation_equals_greedy_recomputation():
             assert out[row] == seq[-6:]
 
 
+@pytest.mark.parametrize("kernel", ["aft_full", "lsh"])
+def test_a_kernel_without_a_kv_cache_generates_by_recomputing_the_sequence(kernel):
+    options = {"aft_full": {"max_len": 16}, "lsh": {"n_buckets": 2, "chunk_size": 4}}[kernel]
+    torch.manual_seed(0)
+    model = MultimodalModel(
+        {"text": TextEmbedding(40, 32)},
+        build_backbone(
+            32, 2, AttentionConfig(4, kernel=kernel, kernel_options=options), positions=PositionConfig("rope"),
+            causal=True,
+        ),
+        {"lm": LMHead(32, 40)},
+    ).eval()  # fmt: skip
+    ids = torch.tensor([[0, 0, 3, 4, 5], [6, 7, 8, 9, 10]])
+    valid = ids != 0
+    out = generate(model, "text", "lm", ids, valid, max_new_tokens=6)
+    with torch.no_grad():  # left padding changes nothing: each row as greedy recomputation alone
+        for row in range(2):
+            seq = ids[row][valid[row]].tolist()
+            for _ in range(6):
+                seq.append(int(model(torch.tensor([seq]), "text", "lm")[:, -1].argmax()))
+            assert out[row] == seq[-6:]
+    eos = out[1][0]  # each row stops before its first eos
+    stopped = generate(model, "text", "lm", ids, valid, 6, eos_id=eos)
+    assert stopped == [o[: o.index(eos)] if eos in o else o for o in out] and stopped[1] == []
+    assert generate(model, "text", "lm", ids, valid, 0) == [[], []]
+    for refused in ({"compile": True}, {"prompt_lookup_num_tokens": 2}):
+        with pytest.raises(ValueError, match=f"the {kernel} kernel cannot read"):
+            generate(model, "text", "lm", ids, valid, 4, **refused)
+
+
 def test_generation_stops_at_eos():
     model = _lm()
     ids, valid = torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.bool)
@@ -160,6 +190,18 @@ def test_train_and_generate_through_the_cli(workdir, capsys):
     ]
     assert main(args) == 0
     assert capsys.readouterr().out == plain  # greedy decoding's text, drafts or not
+
+
+def test_a_causal_lm_with_a_kernel_without_a_kv_cache_trains_samples_and_generates(workdir, capsys):
+    (workdir / "corpus.txt").write_text("\n\n".join(f"Chapter {i}\n1 And it was so, {i}." for i in range(30)))
+    recipe = workdir / "lm.yaml"
+    recipe.write_text(LM_RECIPE.format(root=workdir / "corpus.txt"))
+    kernel = ["model.backbone.attn_kernel=aft_simple", "tasks.corpus.data.pack=false", "trainer.max_steps=3"]
+    assert main(["train", str(recipe), *kernel, "logger.mode=offline"]) == 0  # samples at the validation
+    ckpt = next((workdir / "runs" / "tiny_lm").glob("*/checkpoints/last.ckpt"))
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), "--prompt", "And it", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("And it")
 
 
 def test_generation_respects_the_context_and_refuses_empty_prompts():

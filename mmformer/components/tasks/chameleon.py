@@ -15,6 +15,7 @@ from ...errors import RecipeError, non_negative_weight, positive, probability
 from ...models.chameleon import ChameleonLM, JointEmbedding, JointVocab, text_room
 from ...registry import register
 from ...tasks.chameleon import ChameleonTask
+from ..backbones import require_kernel_rules
 from ..context import BuildContext
 from ..vq import load_frozen_codec
 from .base import TaskConfigParts
@@ -107,6 +108,9 @@ class ChameleonTaskConfig(TaskConfigParts):
             raise RecipeError(
                 f"'{where}': Chameleon attends causally throughout (images too): drop model.backbone.bidirectional"
             )
+        require_kernel_rules(
+            m.backbone, frozenset({"causal", "cache"}), "a chameleon task needs: it samples from a KV cache"
+        )
         kind = self.data.get("kind") if isinstance(self.data, dict) else getattr(self.data, "kind", None)
         if kind != "image_caption":
             raise RecipeError(f"'{where}.data': a chameleon task reads image_caption data")

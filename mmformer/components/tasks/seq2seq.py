@@ -13,6 +13,7 @@ from ...errors import RecipeError
 from ...models.encoder_decoder import EncoderDecoder
 from ...registry import register
 from ...tasks.seq2seq import Seq2SeqTask
+from ..backbones import require_kernel_rules
 from ..context import BuildContext
 from .base import CaptionedTaskParts, check_captions, check_decoding, decoding_args
 
@@ -78,6 +79,8 @@ class Seq2SeqTaskConfig(CaptionedTaskParts):
             raise RecipeError(
                 "a seq2seq task's decoder is the shared backbone: set model.backbone.block: cross and causal: true"
             )
+        why = "a seq2seq task's decoder needs: it decodes from a KV cache at every validation"
+        require_kernel_rules(b, frozenset({"causal", "cache"}), why)
         tower = m.towers[self.tokenizer]
         d_tower, d_context = getattr(tower, "d_model", None), b.d_context or b.d_model
         if tower.kind != "pretrained" and d_tower != d_context:

@@ -11,9 +11,9 @@ from omegaconf import MISSING
 
 from ...errors import RecipeError, non_negative_weight, positive, probability
 from ...models.transfusion import SAMPLERS, Transfusion
-from ...nn.kernels import kernel_rules, supporting
 from ...registry import register
 from ...tasks.transfusion import TransfusionTask
+from ..backbones import require_kernel_rules
 from ..context import BuildContext
 from .base import CaptionedTaskParts, check_captions
 from .diffusion import build_process, check_process_choices
@@ -107,12 +107,7 @@ class TransfusionTaskConfig(CaptionedTaskParts):
                 "added to the patches): set model.backbone.causal: true and a block other than adaln"
             )
         needs = frozenset({"padding", "causal", "documents", "spans", "cache"})
-        missing = needs - kernel_rules(bb.attn_kernel)
-        if missing:
-            raise RecipeError(
-                f"'model.backbone.attn_kernel': {bb.attn_kernel} does not implement {', '.join(sorted(missing))} "
-                f"masks, which a transfusion task needs; kernels that do: {', '.join(supporting(needs))}"
-            )
+        require_kernel_rules(bb, needs, "a transfusion task needs")
         patches = (tok.image_size // tok.patch_size) ** 2
         if self.context < patches + 4:
             raise RecipeError(

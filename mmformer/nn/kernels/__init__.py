@@ -65,6 +65,12 @@ class AttentionKernel(nn.Module):
         """Mask rules the kernel built with ``options`` cannot run without (RFA-Gate: ``causal``)."""
         return frozenset()
 
+    @classmethod
+    def attends_across(cls, options: dict) -> bool:
+        """Whether the kernel built with ``options`` reads keys of another sequence than its queries
+        (cross-attention: ``Nq != Nk``, no causal order between them). Self-attention only by default."""
+        return False
+
     def check(self, mask: MaskSpec) -> None:
         """Raises ``ValueError`` when ``mask`` uses a rule this kernel does not implement."""
         missing = mask_rules(mask) - self.masks
@@ -146,6 +152,13 @@ def kernel_needs(name: str, options: dict) -> frozenset[str]:
     """Mask rules kernel ``name`` with ``options`` cannot run without (``AttentionKernel.needs``)."""
     cls = KERNEL_CLASSES.get(name)
     return frozenset() if cls is None else cls.needs(options)
+
+
+def attends_across(name: str, options: dict) -> bool:
+    """Whether kernel ``name`` with ``options`` can be a cross-attention layer's (``AttentionKernel.
+    attends_across``): the softmax kernels and the Performer can."""
+    cls = KERNEL_CLASSES.get(name)
+    return True if cls is None else cls.attends_across(options)
 
 
 def build_kernel(name: str, n_heads: int, head_dim: int, options: dict | None = None) -> AttentionKernel:

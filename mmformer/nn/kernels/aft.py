@@ -128,6 +128,10 @@ class AFTFull(AttentionKernel):
     name = "aft_full"
     masks = frozenset({"padding", "causal"})
 
+    @classmethod
+    def attends_across(cls, options: dict) -> bool:
+        return True
+
     def __init__(self, n_heads: int, head_dim: int, max_len: int | None = None):
         super().__init__(n_heads, head_dim)
         _require(self.name, max_len=max_len)
@@ -252,6 +256,10 @@ class AFTSimple(AttentionKernel):
 
     name = "aft_simple"
     masks = frozenset({"padding", "causal"})
+
+    @classmethod
+    def attends_across(cls, options: dict) -> bool:
+        return True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:
         _check_shapes(self.name, q, k, mask)

@@ -209,6 +209,10 @@ class RFAKernel(AttentionKernel):
     def needs(cls, options: dict) -> frozenset[str]:
         return frozenset({"causal"}) if options.get("gate") else frozenset()
 
+    @classmethod
+    def attends_across(cls, options: dict) -> bool:
+        return not options.get("gate")  # the gate decays along one sequence's order
+
     def init_weights(self) -> None:
         """Gates start alike for every token (zero weight) at ``g = sigmoid(3) ≈ 0.95``: a recency window of
         ~20 tokens that training can widen or narrow (the paper gives no initialisation)."""
