@@ -60,7 +60,7 @@ def test_kernel_option_values_and_needs_are_refused_at_load_naming_the_fix():
             load_recipe(LISTOPS, list(overrides))
         return str(e.value)
 
-    assert "n_buckets must be 1 or even" in refused(
+    assert "n_buckets must be 1 or a positive even number" in refused(
         "model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={n_buckets: 3}"
     )
     assert "kernel 'aft_full' needs the option 'max_len'" in refused("model.backbone.attn_kernel=aft_full")
@@ -148,3 +148,49 @@ def test_kernels_that_refuse_cross_attention_say_so(kernel):
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 9, 8)
     with pytest.raises(ValueError, match="self-attention"):
         build_kernel(kernel, 2, 8, options)(q, k, k, MaskSpec())
+
+
+def test_option_types_and_settings_no_kernel_reads_are_refused_at_load():
+    """A quoted "false" is a string (it would switch RFA-Gate on), ``true`` is no count, and settings a
+    kernel or block never reads (attention dropout without softmax weights, ``bigbird_block: 0``,
+    ``ff_chunks`` without reversible layers) are refused at load, named, never ignored."""
+
+    def refused(*overrides: str) -> str:
+        return _refused(LISTOPS, *overrides)
+
+    rfa = "model.backbone.attn_kernel=rfa"
+    assert refused(
+        rfa, "model.backbone.causal=true", "model.backbone.kernel_options={gate: 'false'}"
+    ).endswith("kernel 'rfa' option 'gate' must be true / false, got 'false' (str)")
+    assert refused(rfa, "model.backbone.kernel_options.n_features=2.5").endswith(
+        "option 'n_features' must be an integer, got 2.5 (float)"
+    )
+    assert refused(rfa, "model.backbone.kernel_options.sigma=abc").endswith(
+        "'sigma' must be a number, got 'abc' (str)"
+    )
+    load_recipe(LISTOPS, [rfa, "model.backbone.kernel_options.sigma=2"])  # an integer is a number
+    lsh = "model.backbone.attn_kernel=lsh"
+    assert refused(lsh, "model.backbone.kernel_options.n_buckets=true").endswith("got True (bool)")
+    assert refused(lsh, "model.backbone.kernel_options.seed=abc").endswith("got 'abc' (str)")
+    assert "n_buckets must be 1 or a positive even number" in refused(
+        lsh, "model.backbone.kernel_options.n_buckets=0"
+    )
+    aft_local = "model.backbone.attn_kernel=aft_local"
+    assert "window=5000 is wider than max_len=4096" in refused(
+        aft_local, "model.backbone.kernel_options={max_len: 4096, window: 5000}"
+    )
+    for kernel in ("lsh", "performer", "flex"):
+        assert (
+            f"attn_drop drops softmax attention weights, which attn_kernel {kernel} does not form"
+            in refused(f"model.backbone.attn_kernel={kernel}", "model.backbone.attn_drop=0.1")
+        )
+    load_recipe(LISTOPS, ["model.backbone.attn_drop=0.1"])  # auto: sdpa
+    assert refused("model.backbone.bigbird_block=0").endswith("bigbird_block must be > 0, got 0")
+    assert refused("model.backbone.bigbird_block=64", "model.backbone.bigbird_random=-2").endswith(
+        "bigbird_random must be >= 0, got -2"
+    )
+    assert refused("model.backbone.performer_features=0").endswith("performer_features must be > 0, got 0")
+    assert "set reversible=True" in refused("model.backbone.ff_chunks=4")
+    assert "reversible layers need pre-norm blocks" in refused(
+        "model.backbone.reversible=true", "model.backbone.block=post"
+    )

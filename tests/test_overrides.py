@@ -67,6 +67,38 @@ def test_a_mapping_of_another_kind_drops_the_old_kinds_options_at_any_depth(capl
     assert quick.model.backbone.kind == "pretrained"
 
 
+def test_another_attn_kernel_drops_the_kernel_options_it_does_not_take(caplog, tmp_path):
+    listops = Path(__file__).parents[1] / "recipes/long_context/lra_listops.yaml"
+    aft_local = [
+        "model.backbone.attn_kernel=aft_local",
+        "model.backbone.kernel_options={max_len: 4096, window: 64}",
+    ]
+    recipe = tmp_path / "aft_local.yaml"  # a recipe written for one kernel, run with another
+    recipe.write_text(
+        listops.read_text().replace(
+            "  backbone: {",
+            "  backbone: {attn_kernel: aft_local, kernel_options: {max_len: 4096, window: 64}, ",
+        )
+    )
+    with caplog.at_level("WARNING", logger="mmformer"):
+        r = load_recipe(recipe, ["model.backbone.attn_kernel=sdpa"])
+    assert (r.model.backbone.attn_kernel, dict(r.model.backbone.kernel_options)) == ("sdpa", {})
+    (said,) = [rec.getMessage() for rec in caplog.records if "changes aft_local" in rec.getMessage()]
+    assert said.endswith(
+        "'model.backbone.attn_kernel' changes aft_local → sdpa; dropped the kernel_options max_len, window, "
+        "which sdpa does not take"
+    )
+    assert dict(
+        load_recipe(recipe, ["model.backbone.attn_kernel=aft_full"]).model.backbone.kernel_options
+    ) == {"max_len": 4096}  # shared options kept
+    lsh = load_recipe(
+        listops, [*aft_local, "model.backbone={attn_kernel: lsh, kernel_options: {n_buckets: 8}}"]
+    )
+    assert dict(lsh.model.backbone.kernel_options) == {"n_buckets": 8}
+    same = load_recipe(listops, [*aft_local, "model.backbone.attn_kernel=aft_local"])
+    assert dict(same.model.backbone.kernel_options) == {"max_len": 4096, "window": 64}
+
+
 def test_a_kind_change_never_reaches_through_an_alias(tmp_path):
     """A head that is an interpolation of another: the override replaces the alias, the other is untouched."""
     retrieval = (Path(__file__).parents[1] / "recipes/long_context/lra_retrieval_kjv.yaml").read_text()

@@ -80,6 +80,12 @@ def test_train_offline_writes_run_folder_wandb_and_checkpoints(tiny_recipe, work
     last_val = [r for r in csv_rows if r.get("val/toy/acc")][-1]
     assert float(last_val["val/toy/acc"]) == pytest.approx(final["val/toy/acc"], abs=1e-4)
 
+    # an override that changes the trained parameters' shapes is named, not a raw size mismatch
+    capsys.readouterr()
+    assert main(["validate", str(run / "checkpoints/last.ckpt"), "model.backbone.mlp_ratio=1"]) == 2
+    err = capsys.readouterr().err
+    assert "its weights do not fit the model its recipe builds with these overrides (size mismatch for" in err
+
 
 def test_resume_equals_uninterrupted_and_continues_the_run(tiny_recipe, workdir):
     # Uninterrupted: 2 epochs × 4 steps.

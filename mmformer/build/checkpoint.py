@@ -38,7 +38,16 @@ class LoadedCheckpoint:
         """The LightningModule holding the checkpoint's weights (EMA weights when the run kept them); a
         new one at every call (its own build context: no modules shared with an earlier call)."""
         module = build_module(self.recipe, ctx=BuildContext.from_checkpoint(self.recipe, self.state))
-        module.load_state_dict(self.state["state_dict"])
+        try:
+            module.load_state_dict(self.state["state_dict"])
+        except RuntimeError as e:  # the recipe, overridden, builds another model than the one trained
+            lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+            raise RecipeError(
+                f"{self.path}: its weights do not fit the model its recipe builds with these overrides "
+                f"({lines[0] if lines else e}); an override that changes the model's parameters (sizes, "
+                "kernel options such as max_len, a kernel with parameters of its own) cannot apply to "
+                "trained weights"
+            ) from None
         return module
 
 

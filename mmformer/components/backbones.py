@@ -138,10 +138,33 @@ class BackboneConfig:
                 raise ValueError(f"bidirectional: {name!r} is not a modality; choose from {allowed}")
         if self.bidirectional and not self.causal:
             raise ValueError("bidirectional lists modalities exempt from a causal mask: set causal: true")
+        positive(self, "performer_features", "bigbird_block", "ff_chunks", "conv_kernel")
+        for name in ("bigbird_window", "bigbird_global", "bigbird_random"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.attn_drop and self.attn_kernel not in ("auto", "eager", "sdpa"):
+            raise ValueError(
+                f"attn_drop drops softmax attention weights, which attn_kernel {self.attn_kernel} does not form: "
+                "set attn_drop: 0 (drop applies to the attention output), or attn_kernel eager or sdpa"
+            )
+        self.block_config()  # reversible, ff_chunks, conv_kernel, … checked at load, not at build
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def block_config(self) -> BlockConfig:
+        """The block family's settings (``models.BlockConfig``). Raises its ``ValueError``."""
+        return BlockConfig(
+            kind=self.block,
+            drop_path=self.drop_path,
+            layer_scale=self.layer_scale,
+            d_cond=self.d_cond,
+            d_context=self.d_context,
+            conv_kernel=self.conv_kernel,
+            reversible=self.reversible,
+            ff_chunks=self.ff_chunks,
+        )
 
     def mask_rules(self, recipe, where: str) -> set[str]:
         """The mask rules (``nn.kernels.MASK_RULES``) this backbone's attention must implement in
@@ -180,7 +203,9 @@ class BackboneConfig:
             )
         if self.block == "cross" and not attends_across(self.attn_kernel, dict(self.kernel_options)):
             able = [k for k in KERNELS if k != "auto" and attends_across(k, {})]
-            gated = " with gate: true (its gate decays along one sequence)" if self.attn_kernel == "rfa" else ""
+            gated = (
+                " with gate: true (its gate decays along one sequence)" if self.attn_kernel == "rfa" else ""
+            )
             raise RecipeError(
                 f"'{where}.attn_kernel': {self.attn_kernel}{gated} is self-attention only, and block: cross "
                 f"attends to another sequence too; kernels that can: {', '.join(able)}"
@@ -271,16 +296,7 @@ def build_transformer(cfg: BackboneConfig, ctx: BuildContext) -> Backbone:
     bigbird = None
     if cfg.bigbird_block:
         bigbird = BigBirdConfig(cfg.bigbird_block, cfg.bigbird_window, cfg.bigbird_global, cfg.bigbird_random)
-    block = BlockConfig(
-        kind=cfg.block,
-        drop_path=cfg.drop_path,
-        layer_scale=cfg.layer_scale,
-        d_cond=cfg.d_cond,
-        d_context=cfg.d_context,
-        conv_kernel=cfg.conv_kernel,
-        reversible=cfg.reversible,
-        ff_chunks=cfg.ff_chunks,
-    )
+    block = cfg.block_config()
     return build_backbone(
         cfg.d_model,
         cfg.n_layers,

@@ -206,6 +206,14 @@ def _apply_overrides(cfg: DictConfig, overrides, unknown: list) -> list:
                     f"override {item!r}: '{'.'.join(where)}' changes kind {old} → {new}; dropped the {old} "
                     f"options {', '.join(dropped)} (the others are kept)"
                 )
+        for where, old, new, dropped in kernel_changes(cfg, _nested(path, value)):
+            options = OmegaConf.select(cfg, ".".join((*where, "kernel_options")))
+            for k in dropped:
+                del options[k]
+            log.warning(
+                f"override {item!r}: '{'.'.join(where)}.attn_kernel' changes {old} → {new}; dropped the "
+                f"kernel_options {', '.join(dropped)}, which {new} does not take"
+            )
         try:
             _guard("", lambda k=key, v=value: OmegaConf.update(cfg, k, v, merge=True), RecipeConfig, key)
         except RecipeError:
@@ -213,6 +221,30 @@ def _apply_overrides(cfg: DictConfig, overrides, unknown: list) -> list:
                 break
             raise
     return unknown
+
+
+def kernel_changes(cfg: DictConfig, override: dict, where: tuple[str, ...] = ()):
+    """``(where, old, new, dropped)`` for each backbone that ``override`` (a nested mapping) gives
+    another ``attn_kernel``: ``dropped`` are its ``kernel_options`` that the new kernel does not take
+    (``nn.kernels.option_names``; none are yielded when nothing is dropped)."""
+    from ..nn.kernels import option_names
+
+    if not isinstance(override, dict):
+        return
+    node = OmegaConf.select(cfg, ".".join(where)) if where else cfg
+    new = override.get("attn_kernel")
+    if (
+        isinstance(new, str)
+        and isinstance(node, DictConfig)
+        and isinstance(node.get("kernel_options"), DictConfig)
+    ):
+        old = node.get("attn_kernel")
+        dropped = [k for k in node.kernel_options if k not in option_names(new)]
+        if old != new and dropped:
+            yield where, old, new, dropped
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(node, DictConfig) and key in node:
+            yield from kernel_changes(cfg, value, (*where, str(key)))
 
 
 def _parse_override(item: str, cfg: DictConfig) -> tuple[str, Any]:

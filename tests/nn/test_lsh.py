@@ -218,7 +218,7 @@ def test_unknown_and_invalid_options_are_refused():
         Attention(32, 4, kernel="lsh", kernel_options={"chunk_length": 8})
     with pytest.raises(ValueError, match="Did you mean 'n_hashes'"):
         build_kernel("lsh", 4, 8, {"num_hashes": 2})
-    with pytest.raises(ValueError, match="1 or even"):
+    with pytest.raises(ValueError, match="1 or a positive even number"):
         build_kernel("lsh", 4, 8, {"n_buckets": 3})
     with pytest.raises(ValueError, match=">= 1"):
         build_kernel("lsh", 4, 8, {"chunk_size": 0})

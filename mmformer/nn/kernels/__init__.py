@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import types
+import typing
 from typing import ClassVar
 
 import torch
@@ -118,12 +120,19 @@ def takes_score_bias(name: str) -> bool:
     return name == "auto" or name in SOFTMAX_KERNELS
 
 
+def option_names(name: str) -> list[str]:
+    """The options kernel ``name`` takes (its constructor's keywords after ``n_heads`` and ``head_dim``);
+    none for the kernels inside ``nn.attention``."""
+    cls = KERNEL_CLASSES.get(name)
+    return [] if cls is None else list(inspect.signature(cls.__init__).parameters)[3:]
+
+
 def check_options(name: str, options: dict, n_heads: int = 1, head_dim: int = 2) -> None:
     """Raises ``ValueError`` for options kernel ``name`` does not take (with a did-you-mean), any options
     for a kernel that takes none, and values its constructor refuses (it runs on the meta device:
     nothing is allocated), so a recipe is refused at load rather than at its first step."""
     cls = KERNEL_CLASSES.get(name)
-    allowed = [] if cls is None else list(inspect.signature(cls.__init__).parameters)[3:]
+    allowed = option_names(name)
     for key in options:
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
@@ -133,11 +142,39 @@ def check_options(name: str, options: dict, n_heads: int = 1, head_dim: int = 2)
                 takes += ": its random feature count is model.backbone.performer_features"
             raise ValueError(f"kernel {name!r} has no option {key!r}.{hint} ({takes})")
     if cls is not None:
+        hints = typing.get_type_hints(cls.__init__)
+        for key, value in options.items():
+            _check_type(name, key, value, hints.get(key))
         try:
             with torch.device("meta"):
                 cls(n_heads, head_dim, **options)
         except NotImplementedError:  # a constructor that reads tensor values: checked when it is built
             pass
+
+
+def _check_type(kernel: str, key: str, value, hint) -> None:
+    """Raises ``ValueError`` when ``value`` is not of the option's annotated type (``int``, ``float``,
+    ``bool``, optionally ``| None``): a YAML ``"false"`` is a string, not a bool; ``true`` is no count."""
+    kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None and type(None) in kinds:
+        return
+    for kind in kinds:
+        if kind is bool and isinstance(value, bool):
+            return
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+    if not any(k in (bool, int, float) for k in kinds):
+        return  # an option of another type: its constructor checks it
+    names = " or ".join(
+        {bool: "true / false", int: "an integer", float: "a number"}[k]
+        for k in kinds
+        if k in (bool, int, float)
+    )
+    raise ValueError(
+        f"kernel {kernel!r} option {key!r} must be {names}, got {value!r} ({type(value).__name__})"
+    )
 
 
 def position_biases(name: str, options: dict) -> int | None:

@@ -169,8 +169,8 @@ class AFTLocal(AttentionKernel):
     and suffix sums. Memory ``O(B·H·N·Dh + N·window)`` (about 3× the keys, plus the band of biases), time
     ``O(B·H·N·window·Dh)``.
 
-    Raises ``ValueError`` for ``max_len`` or ``window`` missing or below 1; in ``forward`` for more than
-    ``max_len`` tokens or ``Nq != Nk``.
+    Raises ``ValueError`` for ``max_len`` or ``window`` missing or below 1, or ``window > max_len``; in
+    ``forward`` for more than ``max_len`` tokens or ``Nq != Nk``.
     """
 
     name = "aft_local"
@@ -179,6 +179,11 @@ class AFTLocal(AttentionKernel):
     def __init__(self, n_heads: int, head_dim: int, max_len: int | None = None, window: int | None = None):
         super().__init__(n_heads, head_dim)
         _require(self.name, max_len=max_len, window=window)
+        if window > max_len:
+            raise ValueError(
+                f"aft_local: window={window} is wider than max_len={max_len} (a window of max_len already "
+                "covers every pair of positions): lower window, or use aft_full"
+            )
         self.max_len, self.window = max_len, window
         self.pos_bias = nn.Parameter(torch.zeros(max_len, 2 * window - 1))  # w[t, t' − t + s − 1]
 

@@ -122,7 +122,9 @@ class LSHAttention(AttentionKernel):
     ):
         super().__init__(n_heads, head_dim)
         if n_buckets < 1 or (n_buckets > 1 and n_buckets % 2):
-            raise ValueError(f"lsh: n_buckets must be 1 or even (argmax over [xR; -xR]), got {n_buckets}")
+            raise ValueError(
+                f"lsh: n_buckets must be 1 or a positive even number (argmax over [xR; -xR]), got {n_buckets}"
+            )
         if n_hashes < 1 or chunk_size < 1:
             raise ValueError(f"lsh: n_hashes and chunk_size must be >= 1, got {n_hashes} and {chunk_size}")
         self.n_buckets, self.n_hashes, self.chunk_size, self.seed = n_buckets, n_hashes, chunk_size, seed
