@@ -12,8 +12,11 @@ class RecipeError(ValueError):
 
 
 def did_you_mean(word: object, options: Iterable[str], cutoff: float = 0.6, quote: str = "'") -> str:
-    """`` Did you mean 'x'?`` for the option closest to ``word``, or ``""`` when none is close."""
-    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=cutoff)
+    """`` Did you mean 'x'?`` for the option closest to ``word`` (one that differs in case only first),
+    or ``""`` when none is close."""
+    options = list(options)
+    same = [o for o in options if o.lower() == str(word).lower()]
+    close = same or difflib.get_close_matches(str(word), options, n=1, cutoff=cutoff)
     return f" Did you mean {quote}{close[0]}{quote}?" if close else ""
 
 

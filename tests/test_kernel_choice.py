@@ -40,7 +40,9 @@ def test_kernel_options_are_checked_by_name():
         text, ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={n_buckets: 8}", *unpacked]
     )
     assert dict(ok.model.backbone.kernel_options) == {"n_buckets": 8}
-    with pytest.raises(RecipeError, match="no option 'num_buckets'. Did you mean 'n_buckets'"):
+    with pytest.raises(
+        RecipeError, match="no option .num_buckets. .it takes [^)]*.. Did you mean .n_buckets."
+    ):
         recipe_from_yaml(
             text,
             ["model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={num_buckets: 8}", *unpacked],
@@ -75,6 +77,19 @@ def test_kernel_option_values_and_needs_are_refused_at_load_naming_the_fix():
     )
     assert "Did you mean 'lsh' (the Reformer's LSH attention" in refused(
         "model.backbone.attn_kernel=Reformer"
+    )
+    assert "attn_kernel='LSH'. Did you mean 'lsh'?" in refused("model.backbone.attn_kernel=LSH")
+    assert "A sliding window is a mask for any kernel that implements it: set window" in refused(
+        "model.backbone.attn_kernel=window"
+    )
+    # an option of another kernel, with the kernel left at auto: which kernels take it
+    assert refused("model.backbone.kernel_options={n_buckets: 8}").endswith(
+        "kernel 'auto' has no option 'n_buckets' (it takes none). It is an option of lsh: set attn_kernel "
+        "to one of them."
+    )
+    assert refused("model.backbone.attn_kernel=lsh", "model.backbone.kernel_options={n_bucket: 8}").endswith(
+        "kernel 'lsh' has no option 'n_bucket' (it takes n_buckets, n_hashes, chunk_size, seed). "
+        "Did you mean 'n_buckets'?"
     )
     split = refused("model.backbone.kernel_options={n_buckets:")  # `key={n_buckets: 8}` unquoted in a shell
     assert split.endswith(

@@ -36,13 +36,19 @@ from ..nn.tokens import MODALITY_IDS
 from ..registry import register
 from .context import BuildContext
 
+_WINDOW = " A sliding window is a mask for any kernel that implements it: set window (in tokens)."
+_BIGBIRD = " BigBird is a mask for the softmax kernels: set bigbird_block (and bigbird_window, …)."
+
 # the papers' names for what mmformer spells otherwise (attn_kernel typos that are no typo)
 PAPER_NAMES = {
     "reformer": " Did you mean 'lsh' (the Reformer's LSH attention; reversible: true for its blocks)?",
     "aft": " Did you mean 'aft_full', 'aft_local' or 'aft_simple' (the Attention-Free Transformer)?",
-    "bigbird": " BigBird is a mask for the softmax kernels: set bigbird_block (and bigbird_window, …).",
-    "longformer": " A sliding window is a mask for any kernel that implements it: set window (in tokens).",
-    "local": " A sliding window is a mask for any kernel that implements it: set window (in tokens).",
+    "bigbird": _BIGBIRD,
+    "longformer": _WINDOW,
+    "local": _WINDOW,
+    "window": _WINDOW,
+    "sliding_window": _WINDOW,
+    "block_sparse": _BIGBIRD,
     "flash": " FlashAttention runs inside 'sdpa' on CUDA (sdpa_backend: flash forces it).",
 }
 

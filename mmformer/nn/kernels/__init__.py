@@ -128,19 +128,23 @@ def option_names(name: str) -> list[str]:
 
 
 def check_options(name: str, options: dict, n_heads: int = 1, head_dim: int = 2) -> None:
-    """Raises ``ValueError`` for options kernel ``name`` does not take (with a did-you-mean), any options
-    for a kernel that takes none, and values its constructor refuses (it runs on the meta device:
-    nothing is allocated), so a recipe is refused at load rather than at its first step."""
+    """Raises ``ValueError`` for options kernel ``name`` does not take (with a did-you-mean, or the
+    kernels that do take it), any options for a kernel that takes none, and values its constructor
+    refuses, so a recipe is refused at load rather than at its first step. The constructor runs on the
+    meta device: no parameter is allocated (a kernel's small fixed tensors, LSH's rotations, are)."""
     cls = KERNEL_CLASSES.get(name)
     allowed = option_names(name)
     for key in options:
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
+            takers = [n for n in KERNEL_CLASSES if key in option_names(n)]
+            if not hint and takers:
+                hint = f" It is an option of {' and '.join(takers)}: set attn_kernel to one of them."
             takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
             if name == "performer":
-                takes += ": its random feature count is model.backbone.performer_features"
-            raise ValueError(f"kernel {name!r} has no option {key!r}.{hint} ({takes})")
+                takes += "; its random feature count is model.backbone.performer_features"
+            raise ValueError(f"kernel {name!r} has no option {key!r} ({takes}).{hint}")
     if cls is not None:
         hints = typing.get_type_hints(cls.__init__)
         for key, value in options.items():
