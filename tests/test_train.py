@@ -124,6 +124,17 @@ def test_recipe_typo_fails_before_training(tiny_recipe, capsys):
     assert "optim.lrr" in err and "Did you mean 'optim.lr'?" in err
 
 
+def test_flex_is_refused_for_training_on_the_cpu_before_data_is_read(tiny_recipe, workdir, capsys):
+    """FlexAttention has no CPU backward: refused at once (the data root does not exist, and the error
+    is still the kernel's)."""
+    bad_root = f"tasks.toy.data.root={workdir}/missing"
+    flex = "model.backbone.attn_kernel=flex"
+    assert main(["train", str(tiny_recipe), flex, "trainer.accelerator=cpu", bad_root]) == 2
+    err = capsys.readouterr().err
+    assert "'model.backbone.attn_kernel': flex has no backward pass on the CPU" in err
+    assert "trainer.accelerator=cpu" in err and "missing" not in err
+
+
 def test_missing_user_data_path_is_named(tiny_recipe, workdir, capsys):
     assert main(["train", str(tiny_recipe), f"tasks.toy.data.root={workdir}/missing"]) == 2
     assert f"{workdir}/missing" in capsys.readouterr().err

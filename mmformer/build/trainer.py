@@ -86,6 +86,24 @@ def pretrained_parts(recipe):
     return parts
 
 
+def refuse_kernels_untrainable_here(recipe) -> None:
+    """Raises ``RecipeError`` before any data is read when the run would train on the CPU
+    (``trainer.accelerator: cpu``, or ``auto`` without a CUDA device) with ``model.backbone.attn_kernel:
+    flex``, which has no backward pass there (``nn.attention.flex_attention``); flex still serves
+    evaluation and generation on the CPU, so ``info``, ``validate`` and ``generate`` take it."""
+    import torch
+
+    t, kernel = recipe.trainer, recipe.model.backbone.attn_kernel
+    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
+    if kernel == "flex" and on_cpu:
+        where = "trainer.accelerator=cpu" if t.accelerator == "cpu" else "no CUDA device here"
+        raise RecipeError(
+            f"'model.backbone.attn_kernel': flex has no backward pass on the CPU, where this run would "
+            f"train ({where}): set attn_kernel sdpa (or auto), or train on a GPU; flex serves evaluation "
+            "and generation on the CPU"
+        )
+
+
 def build_strategy(t, unused: bool = False, sharded: bool = False):
     """``trainer.strategy`` as Lightning takes it: ``fsdp2`` → ``FSDP2Strategy`` (``sharded``: each rank
     saves its own shard); ``ddp`` told about parameters that some steps leave without gradient

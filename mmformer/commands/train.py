@@ -11,6 +11,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..build import BuildContext, build_datamodule, build_module, build_trainer
+from ..build.trainer import refuse_kernels_untrainable_here
 from ..recipe import load_recipe, recipe_to_yaml
 from ..recipe.defaults import non_defaults_yaml
 from ..recipe.model_changes import model_changes
@@ -64,9 +65,11 @@ def train(recipe, extra_callbacks=(), verbose: bool = False):
     Ends with a validation of the final weights when the last step was not already validated.
     ``verbose`` prints the recipe's non-defaults, the model's size and FLOPs, and what is resumed.
     Raises ``UsageError`` at once, before any data is read, for W&B online without an API key or a
-    ``logger.kinds`` entry whose package is not installed.
+    ``logger.kinds`` entry whose package is not installed, and ``RecipeError`` for a kernel with no
+    backward pass on the device the run trains on (flex on the CPU).
     """
     check_loggers(recipe.logger)
+    refuse_kernels_untrainable_here(recipe)
 
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     run = open_run(recipe.name, recipe.resume, partial(model_changes, recipe=recipe))
