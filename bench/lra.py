@@ -173,8 +173,11 @@ def accuracy(
         print(f"| {task} | {' | '.join(cell[task, k] for k in kernels)} |", flush=True)
 
 
-def baselines(tasks: list[str], firsts: tuple[int, ...] = (1, 2, 3)) -> None:
-    """Validation accuracy of label-only and first-tokens-only predictors, from each task's data."""
+def baselines(tasks: list[str], overrides: list[str] = (), firsts: tuple[int, ...] = (1, 2, 3)) -> None:
+    """Validation accuracy of label-only and first-tokens-only predictors, from each task's data; on the
+    byte-level tasks, of order-free predictors (counts of bytes, 4-byte windows, words), and on Text of a
+    bag of bytes trained with the recipe's optimiser and budget (``trained_bag``; ``overrides`` apply to
+    its recipe, e.g. ``tasks.text.data.max_len=512``)."""
     from mmformer.data.roots import resolve_root
     from mmformer.data.sequence_format import read_meta, read_split
     from mmformer.recipe import load_recipe
@@ -225,6 +228,83 @@ def baselines(tasks: list[str], firsts: tuple[int, ...] = (1, 2, 3)) -> None:
             )
             cells.append(predict(train, val))
         print(f"| {task} | {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
+    if "text" in byte_tasks:  # the recipe's optimiser and budget on a model without blocks
+        recipe = load_recipe(ROOT / RECIPES["text"], list(overrides))
+        (cfg,) = recipe.tasks.values()
+        root = resolve_root(str(cfg.data.root))
+        meta = read_meta(root)
+        train, val = (
+            _sequences(root, meta, split, cfg.data.max_len)
+            for split in (cfg.data.train_split, cfg.data.val_split)
+        )
+        acc = trained_bag(train, val, meta["vocab_size"], recipe)
+        print(
+            f"\n| text | a bag of bytes trained as the recipe trains (d_model {recipe.model.backbone.d_model}, "
+            f"lr {recipe.optim.lr:g}, {recipe.trainer.max_steps} steps × {cfg.data.batch_size}) | {acc:.3f} |",
+            flush=True,
+        )
+
+
+def _sequences(root: Path, meta: dict, split: str, max_len: int | None) -> list[tuple[np.ndarray, int]]:
+    """Each stored sequence (its first ``max_len`` ids) and its label."""
+    from mmformer.data.sequence_format import read_split
+
+    tokens, offsets, labels = read_split(root, split, meta)
+    return [
+        (tokens[a : b if max_len is None else min(b, a + max_len)], int(y))
+        for a, b, y in zip(offsets[:-1], offsets[1:], labels)
+    ]
+
+
+def trained_bag(train: list, val: list, vocab_size: int, recipe) -> float:
+    """Validation accuracy of the recipe's model without its blocks and positions: the mean of its
+    token embeddings (``d_model`` wide, initialised as the recipe's, N(0, 0.02²)), a LayerNorm and a
+    linear layer — a bag of ids — trained with the recipe's optimiser (AdamW, ``lr``, ``weight_decay``,
+    linear warmup then cosine to 0), batch size, step count, gradient clipping and seed; batches drawn
+    epoch by epoch from a seeded permutation. What the recipe's budget teaches a model that can only
+    count ids: the transformer's blocks can represent it (mean pooling over the residual stream)."""
+    import torch
+    from torch import nn
+
+    (cfg,) = recipe.tasks.values()
+    torch.manual_seed(recipe.seed)
+    n_classes = max(y for _, y in train) + 1
+    embed = nn.EmbeddingBag(vocab_size, recipe.model.backbone.d_model, mode="mean")
+    nn.init.normal_(embed.weight, std=0.02)
+    model = nn.Sequential(nn.LayerNorm(embed.embedding_dim), nn.Linear(embed.embedding_dim, n_classes))
+    params = [*embed.parameters(), *model.parameters()]
+    o, steps, warmup = recipe.optim, recipe.trainer.max_steps, recipe.optim.warmup_steps
+    opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
+    def logits(batch: list) -> torch.Tensor:
+        ids = [torch.as_tensor(x.astype(np.int64)) for x, _ in batch]
+        offsets = torch.tensor([0, *(len(x) for x in ids[:-1])]).cumsum(0)
+        return model(embed(torch.cat(ids), offsets))
+
+    g = torch.Generator().manual_seed(recipe.seed)
+    order: list[int] = []
+    for _ in range(steps):
+        if len(order) < cfg.data.batch_size:
+            order += torch.randperm(len(train), generator=g).tolist()
+        batch = [train[i] for i in order[: cfg.data.batch_size]]
+        del order[: cfg.data.batch_size]
+        loss = nn.functional.cross_entropy(logits(batch), torch.tensor([y for _, y in batch]))
+        opt.zero_grad()
+        loss.backward()
+        if recipe.trainer.gradient_clip_val:
+            nn.utils.clip_grad_norm_(params, recipe.trainer.gradient_clip_val)
+        opt.step()
+        sched.step()
+    with torch.no_grad():
+        predicted = torch.cat([logits(val[i : i + 64]).argmax(-1) for i in range(0, len(val), 64)])
+    return (predicted == torch.tensor([y for _, y in val])).float().mean().item()
 
 
 def _passages(root: Path, meta: dict, split: str, units) -> list[tuple[list[Counter], int]]:
@@ -346,7 +426,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="accuracy, speed: a recipe override for every run (repeatable), e.g. trainer.threads=1",
+        help="a recipe override for every run (repeatable), e.g. trainer.threads=1; baselines: the trained bag's",
     )
     p.add_argument("--jobs", type=int, default=1, help="accuracy: runs at a time (give each trainer.threads)")
     p.add_argument(
@@ -357,7 +437,7 @@ def main() -> None:
     os.chdir(ROOT)  # data roots resolve as the runs' (started in the repository) do, from any folder
     kernels = a.kernels.split(",")
     if a.mode == "baselines":
-        baselines(a.tasks.split(","))
+        baselines(a.tasks.split(","), a.set)
     elif a.mode == "accuracy":
         accuracy(a.tasks.split(","), kernels, a.steps, a.set, a.jobs, a.out)
     else:
