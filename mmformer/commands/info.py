@@ -28,7 +28,8 @@ def _parts(recipe):
 
 
 def describe_model(model, recipe) -> list[str]:
-    """Parameter counts per part and FLOPs per sample for each task (counted on the eager path)."""
+    """Parameter counts per part and FLOPs per sample for each task (``count_flops``: measured with the
+    softmax kernels on the eager path, every other kernel as itself)."""
     tables = (
         ("tokenizers", "backbone", "towers", "heads")
         if len(model.towers)

@@ -1,8 +1,10 @@
 """FLOPs: counted analytically as the model runs (``FlopMeter``, for throughput and MFU), and measured by
-``torch.utils.flop_counter`` on the eager attention path (``count_flops``, the cross-check).
+``torch.utils.flop_counter`` (``count_flops``, the cross-check).
 
-``FlopCounterMode`` does not count ``scaled_dot_product_attention`` on CPU, so ``count_flops`` switches
-the backbone to the eager kernel (plain matmuls) for the measurement and restores it afterwards.
+``FlopCounterMode`` does not count ``scaled_dot_product_attention`` on CPU (nor FlexAttention), so
+``count_flops`` switches the softmax kernels (``auto``, ``sdpa``, ``flex``) to the eager kernel (plain
+matmuls, the same attention) for the measurement and restores them afterwards; the Performer and the
+registered kernels (``nn.kernels``: LSH, AFT, RFA) run as themselves, so their own products are counted.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..nn.attention import Attention
+from ..nn.kernels import SOFTMAX_KERNELS
 from ..nn.reversible import stored_activations
 from .backbone import Backbone
 from .model import MultimodalModel
@@ -28,10 +31,12 @@ class FlopMeter:
 
     - each ``Backbone`` call of ``B`` sequences of ``N`` tokens: every block's linear layers and 1-D
       convolutions per token (the adaLN modulation per sequence; cross-attention keys/values per
-      context token) plus attention
-      ``4 · B · H · N · N_k · head_dim`` (scores and the weighted sum, full ``N × N_k`` as the kernels
-      compute it, causal or not; ``N_k = N`` plus cached tokens); a last block that computed only the
-      rows a head reads (``Backbone.rows_computed``) is counted for those rows past its keys and values;
+      context token) plus attention as its kernel computes it (``Attention.attention_flops``, causal
+      as the backbone is, cross-attention never): for the softmax kernels ``4 · B · H · N · N_k ·
+      head_dim`` (scores and the weighted sum, full ``N × N_k`` as the kernels compute it, causal or not;
+      ``N_k = N`` plus cached tokens), for the Performer, LSH, AFT and RFA the products they run
+      (``AttentionKernel.flops``); a last block that computed only the rows a head reads
+      (``Backbone.rows_computed``) is counted for those rows past its keys and values;
     - every other ``nn.Linear`` and convolution (tokenizers, heads, towers' outside) from its input shape.
 
     A training step costs ``3 ×`` the forward (backward = 2 × forward for matmuls; Kaplan et al. 2020,
@@ -84,20 +89,23 @@ class FlopMeter:
         last = len(backbone.blocks) - 1
         for i, block in enumerate(backbone.blocks):
             n_rows = len(range(N)[rows]) if rows is not None and i == last else N
-            self.flops += _block_flops(block, B, N, n_rows, n_k, n_ctx)
+            self.flops += _block_flops(block, B, N, n_rows, n_k, n_ctx, backbone.causal)
 
 
-def _block_flops(block: nn.Module, B: int, N: int, n_rows: int, n_k: int, n_ctx: int) -> int:
+def _block_flops(
+    block: nn.Module, B: int, N: int, n_rows: int, n_k: int, n_ctx: int, causal: bool = False
+) -> int:
     """One block over ``N`` tokens of which ``n_rows`` are computed past the self-attention's keys and
-    values (``Backbone.forward(rows=…)``; else ``N``), against ``n_k`` keys and ``n_ctx`` context tokens."""
+    values (``Backbone.forward(rows=…)``; else ``N``), against ``n_k`` keys and ``n_ctx`` context tokens;
+    ``causal``: the self-attention's mask (cross-attention's never is)."""
     flops = 0
     for name, m in block.named_modules():
         parts = name.split(".")  # a LoRA-wrapped product: attn.qkv.base, attn.qkv.lora_A, …
         if isinstance(m, nn.Conv1d):  # a conformer's convolutions run along the N tokens
             flops += 2 * B * N * m.out_channels * (m.in_channels // m.groups * m.kernel_size[0])
         elif isinstance(m, Attention):
-            keys = n_ctx if "cross" in name else n_k
-            flops += 4 * B * m.n_heads * n_rows * keys * m.head_dim
+            cross = "cross" in name
+            flops += m.attention_flops(B, n_rows, n_ctx if cross else n_k, causal and not cross)
         elif not isinstance(m, nn.Linear):
             continue
         elif "adaLN" in name:
@@ -111,36 +119,45 @@ def _block_flops(block: nn.Module, B: int, N: int, n_rows: int, n_k: int, n_ctx:
     return flops
 
 
-def analytic_flops(model: MultimodalModel, inputs: Tensor, tokenizer: str, head: str) -> int:
-    """Forward FLOPs of ``model(inputs, tokenizer, head)`` by ``FlopMeter`` (the number ``count_flops``
-    measures on the eager path)."""
+def analytic_flops(
+    model: MultimodalModel, inputs: Tensor, tokenizer: str, head: str, **tokenizer_kwargs
+) -> int:
+    """Forward FLOPs of ``model(inputs, tokenizer, head, **tokenizer_kwargs)`` (e.g. ``valid=``) by
+    ``FlopMeter`` (the number ``count_flops`` measures)."""
     meter = FlopMeter(model)
     try:
         with torch.no_grad():
-            model(inputs, tokenizer, head)
+            model(inputs, tokenizer, head, **tokenizer_kwargs)
     finally:
         meter.close()
     return meter.take()
 
 
-def count_flops(model: MultimodalModel, inputs: Tensor, tokenizer: str, head: str) -> dict[str, int]:
-    """FLOPs for one forward and one forward+backward of ``inputs`` (1 FLOP = 1 multiply or add;
-    a multiply-accumulate counts 2). Divide by ``inputs.shape[0]`` for per-sample values.
+def count_flops(
+    model: MultimodalModel, inputs: Tensor, tokenizer: str, head: str, **tokenizer_kwargs
+) -> dict[str, int]:
+    """FLOPs for one forward and one forward+backward of ``model(inputs, tokenizer, head,
+    **tokenizer_kwargs)`` (e.g. ``valid=``), measured by ``FlopCounterMode`` (1 FLOP = 1 multiply or add;
+    a multiply-accumulate counts 2; matmuls and convolutions). Divide by ``inputs.shape[0]`` for
+    per-sample values. The softmax kernels ``auto``, ``sdpa`` and ``flex`` run as ``eager`` meanwhile
+    (the counter does not see sdpa on CPU): every other kernel (``eager``, ``performer``, the registered
+    ones) runs as itself.
 
     Returns ``{"forward": int, "train": int}``; ``train`` counts forward + backward of a scalar loss.
     """
     attns = [m for m in model.modules() if isinstance(m, Attention)]
     kernels = [a.kernel for a in attns]
     for a in attns:
-        a.kernel = "eager"
+        if a.kernel == "auto" or a.kernel in SOFTMAX_KERNELS:
+            a.kernel = "eager"
     try:
         with FlopCounterMode(display=False) as fwd:
             with torch.no_grad():
-                model(inputs, tokenizer, head)
+                model(inputs, tokenizer, head, **tokenizer_kwargs)
         # reversible layers counted as the function they compute (their recomputation is not counted,
         # as MFU's definition asks); FlopCounterMode cannot follow their own backward
         with FlopCounterMode(display=False) as train, stored_activations():
-            model(inputs, tokenizer, head).float().sum().backward()
+            model(inputs, tokenizer, head, **tokenizer_kwargs).float().sum().backward()
         model.zero_grad(set_to_none=True)
     finally:
         for a, k in zip(attns, kernels):

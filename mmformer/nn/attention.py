@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kernels import KERNEL_CLASSES, build_kernel
+from .kernels import KERNEL_CLASSES, build_kernel, softmax_flops
 from .kv_cache import KVCache
-from .linear_attention import favor_attention, orthogonal_features
+from .linear_attention import favor_attention, favor_flops, orthogonal_features
 from .masks import MaskSpec, require_bool, to_additive
 from .positions import RotaryEmbedding, alibi_bias
 
@@ -317,7 +317,7 @@ class Attention(nn.Module):
             raise ValueError(f"unknown attention kernel {kernel!r}; choose from {KERNELS}")
         self._kernel = kernel
         # a kernel that is a module of its own (nn/kernels); kept while another kernel is switched in for
-        # a while (FLOP counting switches to eager), so its parameters survive the round trip
+        # a while (set_attn_kernel), so its parameters survive the round trip
         current = getattr(self, "kernel_module", None)
         if kernel in KERNEL_CLASSES and (current is None or current.name != kernel):
             self.kernel_module = build_kernel(kernel, self.n_heads, self.head_dim, self.kernel_options)
@@ -513,6 +513,20 @@ class Attention(nn.Module):
         if self.n_kv_heads != self.n_heads:
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
         return favor_attention(q, k, v, features, mask.causal, mask.valid)
+
+    def attention_flops(self, batch: int, n_queries: int, n_keys: int, causal: bool) -> int:
+        """Forward FLOPs of this layer's kernel for ``batch`` sequences of ``n_queries`` queries against
+        ``n_keys`` keys (causal or not), between the projections: matmuls only, 1 FLOP = a multiply or
+        an add, as ``FlopCounterMode`` counts them (``AttentionKernel.flops``). A registered kernel counts
+        its own (``kernel_module.flops``); the Performer its FAVOR+ products (``favor_flops``:
+        ``performer_features`` features per head); the softmax kernels ``4 · B · H · Nq · Nk · Dh``
+        (``softmax_flops``, the full ``Nq × Nk`` as eager computes it, causal or not)."""
+        if self.kernel in KERNEL_CLASSES:
+            return self.kernel_module.flops(batch, n_queries, n_keys, causal)
+        H, Dh = self.n_heads, self.head_dim
+        if self.kernel == "performer":
+            return favor_flops(batch, H, n_queries, n_keys, Dh, self.performer_features, causal)
+        return softmax_flops(batch, H, n_queries, n_keys, Dh)
 
     def _score_mod(self, inputs: AttentionInputs):
         mods = []

@@ -20,6 +20,8 @@ from torch import Tensor
 
 from .masks import require_bool
 
+CHUNK = 64  # tokens per chunk of the causal products (``_causal_chunked``)
+
 
 def orthogonal_features(n_features: int, dim: int, generator: torch.Generator | None = None) -> Tensor:
     """``(n_features, dim)``: stacked blocks of orthonormal rows (QR of Gaussian blocks), each row scaled
@@ -66,7 +68,7 @@ def favor_attention(
     return _causal_chunked(qf, kf, v).to(dtype)
 
 
-def _causal_chunked(qf: Tensor, kf: Tensor, v: Tensor, chunk: int = 64) -> Tensor:
+def _causal_chunked(qf: Tensor, kf: Tensor, v: Tensor, chunk: int = CHUNK) -> Tensor:
     """``Σ_{j≤i} (φq_i·φk_j) v_j / Σ_{j≤i} φq_i·φk_j`` for ``qf, kf (B, H, N, m)``, ``v (B, H, N, Dh)``,
     chunk by chunk: within a chunk the causal product directly, earlier chunks through their summed
     state ``φ(K)ᵀ V`` (exclusive prefix sum over chunks). Padding to whole chunks adds zero features,
@@ -86,3 +88,40 @@ def _causal_chunked(qf: Tensor, kf: Tensor, v: Tensor, chunk: int = 64) -> Tenso
     out = scores @ vc + qc @ state  # (B, H, n, C, Dh)
     norm = scores.sum(-1, keepdim=True) + (qc * z.unsqueeze(-2)).sum(-1, keepdim=True)
     return (out / norm).reshape(B, H, n * C, -1)[:, :, :N]
+
+
+def favor_flops(
+    batch: int, n_heads: int, n_queries: int, n_keys: int, head_dim: int, n_features: int, causal: bool
+) -> int:
+    """Matmul FLOPs of ``favor_attention`` (1 FLOP = a multiply or an add; elementwise ops and sums not
+    counted): the feature maps ``x W^T`` of queries and keys (``_phi``: ``2 · B · H · (Nq + Nk) · Dh · m``)
+    plus the products of the features (``linear_attention_flops``)."""
+    features = 2 * batch * n_heads * (n_queries + n_keys) * head_dim * n_features
+    return features + linear_attention_flops(batch * n_heads, n_queries, n_keys, n_features, head_dim, causal)
+
+
+def linear_attention_flops(
+    batch_heads: int,
+    n_queries: int,
+    n_keys: int,
+    n_features: int,
+    head_dim: int,
+    causal: bool,
+    chunk: int = CHUNK,
+) -> int:
+    """Matmul FLOPs of linear attention over features ``qf (BH, Nq, F)``, ``kf (BH, Nk, F)`` and values
+    ``v (BH, Nk, Dh)``, ``BH`` = batch × heads, as ``favor_attention`` computes it (and RFA's
+    ``rfa_attention``, which has the same products):
+
+    - not causal: ``φ(K)ᵀ V`` and ``φ(Q) (φ(K)ᵀ V)``, ``2 · BH · N · F · Dh`` each, and the normaliser
+      ``φ(Q) Σ φ(K)``, ``2 · BH · Nq · F``;
+    - causal (``Nq = Nk = N``; ``_causal_chunked``): ``n = ⌈N / C⌉`` chunks of ``C = min(chunk, N)`` tokens,
+      the last one zero-padded and computed in full: per chunk its state ``φ(K)ᵀ V`` (``2 · C · F · Dh``),
+      the causal ``φ(Q) φ(K)ᵀ`` (``2 · C² · F``, computed square), its product with ``V`` (``2 · C² · Dh``)
+      and ``φ(Q) · state`` (``2 · C · F · Dh``); the normaliser is sums (not counted)."""
+    if causal:
+        C = min(chunk, n_queries)
+        n = -(-n_queries // C)
+        return 2 * batch_heads * n * C * (2 * n_features * head_dim + C * n_features + C * head_dim)
+    products = 2 * batch_heads * (n_keys + n_queries) * n_features * head_dim
+    return products + 2 * batch_heads * n_queries * n_features

@@ -83,8 +83,24 @@ class AttentionKernel(nn.Module):
                 f"(it implements {', '.join(sorted(self.masks))}); kernels that do: {', '.join(able)}"
             )
 
+    def flops(self, batch: int, n_queries: int, n_keys: int, causal: bool) -> int:
+        """Forward FLOPs of one call on ``q (batch, H, n_queries, Dh)``, ``k, v (batch, H, n_keys, Dh)``
+        with a causal mask or not: the matmuls and einsums the kernel runs, 1 FLOP = one multiply or add
+        (a multiply-accumulate is 2), as ``torch.utils.flop_counter.FlopCounterMode`` counts them;
+        elementwise ops, sums, softmax, sorting and gathers are not counted. Padding changes nothing
+        (padded keys are zeroed or masked, not skipped). By default softmax attention's
+        (``softmax_flops``); a kernel overrides it with the products its ``forward`` computes."""
+        return softmax_flops(batch, self.n_heads, n_queries, n_keys, self.head_dim)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:  # pragma: no cover
         raise NotImplementedError
+
+
+def softmax_flops(batch: int, n_heads: int, n_queries: int, n_keys: int, head_dim: int) -> int:
+    """Softmax attention's matmul FLOPs: ``4 · B · H · Nq · Nk · Dh``, the scores ``q kᵀ`` and the weighted
+    sum ``softmax(·) v``, ``2 · Nq · Nk · Dh`` each per head (Vaswani et al. 2017 §3.2.1; Kaplan et al.
+    2020 §2.1), over the full ``Nq × Nk`` as the kernels compute it, causal or not."""
+    return 4 * batch * n_heads * n_queries * n_keys * head_dim
 
 
 def register_kernel(cls: type[AttentionKernel]) -> type[AttentionKernel]:

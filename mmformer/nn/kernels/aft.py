@@ -141,6 +141,13 @@ class AFTFull(AttentionKernel):
     def init_weights(self) -> None:
         nn.init.zeros_(self.pos_bias)  # all positions alike at the start
 
+    def flops(self, batch: int, n_queries: int, n_keys: int, causal: bool) -> int:
+        """Matmul FLOPs of ``forward`` (``AttentionKernel.flops``): ``exp(w) @ (exp(K) ⊙ V)`` and
+        ``exp(w) @ exp(K)``, ``(Nq, Nk)`` against ``(B, H, Nk, Dh)``, ``2 · B · H · Nq · Nk · Dh`` each
+        (arXiv:2105.14103 §3, Eq. 2, as computed here; causal or not: the mask only sets ``w``): the
+        same ``4 · B · H · Nq · Nk · Dh`` as softmax attention's two products."""
+        return 4 * batch * self.n_heads * n_queries * n_keys * self.head_dim
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:
         _check_shapes(self.name, q, k, mask, self.max_len)
         dtype, n_q, n_k = _compute_dtype(q), q.shape[-2], k.shape[-2]
@@ -189,6 +196,17 @@ class AFTLocal(AttentionKernel):
 
     def init_weights(self) -> None:
         nn.init.zeros_(self.pos_bias)  # all positions alike at the start
+
+    def flops(self, batch: int, n_queries: int, n_keys: int, causal: bool) -> int:
+        """Matmul FLOPs of ``forward`` over ``N = n_queries`` tokens (``AttentionKernel.flops``): the band
+        (``_band``) for the numerator and the denominator, each ``n = ⌈N / b⌉`` blocks of ``b = min(window,
+        N)`` queries against ``b + 2r`` keys (``r = b − 1``), ``2 · B · H · n · b · (b + 2r) · Dh``; the
+        keys beyond the band are cumulative sums (not counted). Causal or not: the mask only sets the
+        band's biases. ``4 · B · H · n · b · (3b − 2) · Dh`` in all (arXiv:2105.14103 §3, AFT-local, as
+        computed here)."""
+        b = min(self.window, n_queries)
+        n = -(-n_queries // b)
+        return 4 * batch * self.n_heads * n * b * (3 * b - 2) * self.head_dim
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:
         _check_shapes(self.name, q, k, mask, self.max_len)
@@ -265,6 +283,12 @@ class AFTSimple(AttentionKernel):
     @classmethod
     def attends_across(cls, options: dict) -> bool:
         return True
+
+    def flops(self, batch: int, n_queries: int, n_keys: int, causal: bool) -> int:
+        """0 (``AttentionKernel.flops``): AFT-simple multiplies no matrices — sums over the keys (prefix
+        sums in log space when causal) and elementwise products (arXiv:2105.14103 §3, as computed
+        here); its cost, ``O(B · H · N · Dh)``, is not in the matmul count."""
+        return 0
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:
         _check_shapes(self.name, q, k, mask)

@@ -136,6 +136,25 @@ class LSHAttention(AttentionKernel):
     def extra_repr(self) -> str:
         return f"n_buckets={self.n_buckets}, n_hashes={self.n_hashes}, chunk_size={self.chunk_size}, seed={self.seed}"
 
+    def flops(self, batch: int, n_queries: int, n_keys: int, causal: bool) -> int:
+        """Matmul FLOPs of ``forward`` over ``N = n_queries`` tokens (``AttentionKernel.flops``), causal or
+        not (the mask only fills scores): per round, on the ``Np = ⌈N / C⌉ · C`` tokens padded to whole
+        chunks of ``C = min(chunk_size, N)``,
+
+        - hashing ``x R`` (``hash_buckets``): ``2 · B · H · Np · Dh · n_buckets/2`` (none for one bucket);
+        - scores ``q kᵀ`` and ``weights @ v`` of each chunk against its ``W`` keys (``W = 2C``, itself and
+          the chunk before it, when there are several chunks, else ``C``): ``2 · B · H · Np · W · Dh`` each,
+          the look-back of chunk 0 computed and masked;
+
+        times ``n_hashes`` rounds (Kitaev et al. 2020 §3 and App. A, as this kernel computes it):
+        ``R · B · H · Np · Dh · (n_buckets + 4 W)`` with one bucket counted as 0 hashing columns."""
+        R, H, Dh, N = self.n_hashes, self.n_heads, self.head_dim, n_queries
+        C = min(self.chunk_size, N)
+        n = -(-N // C)
+        W = 2 * C if n > 1 else C
+        columns = self.n_buckets if self.n_buckets > 1 else 0  # 2 · n_buckets/2
+        return R * batch * H * n * C * Dh * (columns + 4 * W)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:
         """``q, v (B, H, N, Dh)`` → ``(B, H, N, Dh)`` (class docstring); ``k`` is not read."""
         self.check(mask)

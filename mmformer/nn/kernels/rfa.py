@@ -53,8 +53,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..linear_attention import linear_attention_flops
 from ..masks import MaskSpec, require_bool
 from . import AttentionKernel, register_kernel
+
+CHUNK = 64  # tokens per chunk of the causal scan (``_causal_scan``)
 
 
 def fourier_frequencies(n_features: int, dim: int, sigma: float = 1.0, seed: int = 0) -> Tensor:
@@ -78,7 +81,7 @@ def rfa_attention(
     causal: bool = False,
     key_valid: Tensor | None = None,
     gate_logits: Tensor | None = None,
-    chunk: int = 64,
+    chunk: int = CHUNK,
 ) -> Tensor:
     """RFA (module docstring): ``q (B, H, Nq, Dh)``, ``k, v (B, H, Nk, Dh)``, ``w (D, Dh)`` frequencies
     (``fourier_frequencies``); ``key_valid (B, Nk)`` bool, False keys are never read (their values may be
@@ -119,7 +122,7 @@ def rfa_attention(
 
 
 def _causal_scan(
-    qf: Tensor, kf: Tensor, v: Tensor, log_g: Tensor | None = None, chunk: int = 64
+    qf: Tensor, kf: Tensor, v: Tensor, log_g: Tensor | None = None, chunk: int = CHUNK
 ) -> tuple[Tensor, Tensor]:
     """Numerator ``Σ_{i≤t} d_ti (φq_t·φk_i) v_i`` and denominator ``Σ_{i≤t} d_ti φq_t·φk_i`` for
     ``qf, kf (B, H, N, F)``, ``v (B, H, N, Dh)``, with decays ``d_ti = Π_{i<j≤t} g_j`` from ``log_g (B, H, N)``
@@ -235,6 +238,21 @@ class RFAKernel(AttentionKernel):
                 "the rfa kernel with gate=True (RFA-Gate) is a causal recurrence: it needs a causal mask "
                 "(use gate=False for bidirectional or cross-attention)"
             )
+
+    def flops(self, batch: int, n_queries: int, n_keys: int, causal: bool) -> int:
+        """Matmul FLOPs of ``forward`` (``AttentionKernel.flops``; RFA Eq. 2–5 and §3.2, as computed here):
+
+        - the random projections ``x̂ Wᵀ`` of queries and keys (``random_fourier_features``, before sin
+          and cos): ``2 · B · H · (Nq + Nk) · Dh · D``;
+        - the products of the ``2D`` features with the values: ``linear_attention_flops`` (the same
+          products as FAVOR+: ``φ(K)ᵀ V``, ``φ(Q)(·)`` and the normaliser; causal, ``_causal_scan``'s
+          chunks of ``CHUNK`` tokens, whose decays when gated are elementwise);
+        - RFA-Gate's logits ``w_g · k_t`` per head and step: ``2 · B · H · Nk · Dh``."""
+        H, Dh, D = self.n_heads, self.head_dim, self.n_features
+        projections = 2 * batch * H * (n_queries + n_keys) * Dh * D
+        products = linear_attention_flops(batch * H, n_queries, n_keys, 2 * D, Dh, causal, CHUNK)
+        gate = 2 * batch * H * n_keys * Dh if self.gate else 0
+        return projections + products + gate
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec) -> Tensor:
         """``q (B, H, Nq, Dh)``, ``k, v (B, H, Nk, Dh)`` → ``(B, H, Nq, Dh)`` (see ``rfa_attention``)."""
