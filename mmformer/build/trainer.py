@@ -93,7 +93,8 @@ def refuse_kernels_untrainable_here(recipe) -> None:
     evaluation and generation on the CPU, so ``info``, ``validate`` and ``generate`` take it."""
     import torch
 
-    t, kernel = recipe.trainer, recipe.model.backbone.attn_kernel
+    t = recipe.trainer
+    kernel = getattr(recipe.model.backbone, "attn_kernel", None)  # a pretrained backbone has none
     on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
     if kernel == "flex" and on_cpu:
         where = "trainer.accelerator=cpu" if t.accelerator == "cpu" else "no CUDA device here"
