@@ -209,3 +209,36 @@ def test_option_types_and_settings_no_kernel_reads_are_refused_at_load():
     assert "reversible layers need pre-norm blocks" in refused(
         "model.backbone.reversible=true", "model.backbone.block=post"
     )
+
+
+def test_aft_position_biases_must_cover_the_tokens_every_data_kind_gives():
+    """AFT-full / AFT-local hold position biases for ``max_len`` tokens: a ViT's patches and class token,
+    a language model's ``seq_len`` — refused at load when more, accepted at exactly enough (boundary
+    checked by training a step in the CLI: 17 tokens for a 28-pixel image in 7-pixel patches, 128 for
+    ``seq_len: 128``)."""
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    vit, gpt = root / "image" / "vit_tiny_classify_mnist5k.yaml", root / "text" / "gpt_mini_lm_kjv.yaml"
+
+    def aft(kernel: str, max_len: int, *extra: str) -> list[str]:
+        window = ", window: 4" if kernel == "aft_local" else ""
+        return [
+            f"model.backbone.attn_kernel={kernel}",
+            f"model.backbone.kernel_options={{max_len: {max_len}{window}}}",
+            *extra,
+        ]
+
+    for kernel in ("aft_full", "aft_local"):
+        load_recipe(vit, aft(kernel, 17))
+        with pytest.raises(RecipeError) as e:
+            load_recipe(vit, aft(kernel, 16))
+        assert str(e.value) == (
+            "'model.backbone.kernel_options.max_len' is 16, but 'model.tokenizers.image' (28-pixel images in "
+            f"7-pixel patches and its class token) gives 17 tokens per sequence: the {kernel} kernel holds "
+            "position biases for max_len tokens; set max_len: 17 or more"
+        )
+    unpacked = "tasks.kjv.data.pack=false"
+    load_recipe(gpt, aft("aft_full", 128, unpacked))
+    with pytest.raises(
+        RecipeError, match="is 127, but 'tasks.kjv.data.seq_len' gives 128 tokens per sequence"
+    ):
+        load_recipe(gpt, aft("aft_full", 127, unpacked))

@@ -27,6 +27,7 @@ from ..nn.kernels import (
     check_options,
     kernel_needs,
     kernel_rules,
+    position_biases,
     supporting,
     takes_score_bias,
 )
@@ -241,6 +242,22 @@ def require_kernel_rules(backbone, needs: frozenset[str], why: str) -> None:
         raise RecipeError(
             f"'model.backbone.attn_kernel': {backbone.attn_kernel} does not implement "
             f"{', '.join(sorted(missing))} masks, which {why}; kernels that do: {', '.join(supporting(needs))}"
+        )
+
+
+def require_position_biases(recipe, tokenizer: str, n_tokens: int, why: str) -> None:
+    """Refuses a backbone whose kernel holds learned position biases (AFT-full, AFT-local:
+    ``kernel_options.max_len``) for fewer than the ``n_tokens`` tokens per sequence that tokenizer
+    ``tokenizer``'s data gives (``why`` says where that number comes from), at load rather than at the
+    first step. The backbone is the tokenizer's tower, else the shared one."""
+    backbone = recipe.model.towers.get(tokenizer, recipe.model.backbone)
+    where = f"model.towers.{tokenizer}" if tokenizer in recipe.model.towers else "model.backbone"
+    kernel = getattr(backbone, "attn_kernel", None)
+    biases = position_biases(kernel, dict(backbone.kernel_options)) if kernel else None
+    if biases is not None and n_tokens > biases:
+        raise RecipeError(
+            f"'{where}.kernel_options.max_len' is {biases}, but {why} gives {n_tokens} tokens per sequence: "
+            f"the {kernel} kernel holds position biases for max_len tokens; set max_len: {n_tokens} or more"
         )
 
 

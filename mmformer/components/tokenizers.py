@@ -18,7 +18,7 @@ from ..tokenizers import ViTPatchTokenizer
 from ..tokenizers.audio import ASTPatchTokenizer, AudioPreprocess, LogMel, SpecAugment, WhisperConvTokenizer
 from ..tokenizers.diffusion import DiTTokenizer
 from ..tokenizers.text import TextEmbedding
-from .backbones import freeze
+from .backbones import freeze, require_position_biases
 from .context import BuildContext
 
 
@@ -47,6 +47,12 @@ class ViTPatchConfig:
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+    def check(self, recipe, where: str) -> None:
+        """Refuses an AFT kernel with position biases for fewer tokens than the patches (and class token)."""
+        cls = " and its class token" if self.class_token else ""
+        why = f"'{where}' ({self.image_size}-pixel images in {self.patch_size}-pixel patches{cls})"
+        require_position_biases(recipe, where.rsplit(".", 1)[-1], self.num_patches + self.class_token, why)
 
 
 @dataclass

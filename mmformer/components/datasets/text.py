@@ -10,6 +10,7 @@ from ...data.text import text_data
 from ...data.text_classification import text_classification_data
 from ...errors import positive
 from ...registry import register
+from ..backbones import require_position_biases
 from ..context import BuildContext
 from .base import LoaderConfig
 
@@ -33,6 +34,11 @@ class TextDataConfig(LoaderConfig):
         positive(self, "seq_len")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+
+    def check(self, recipe, where: str) -> None:
+        """Refuses an AFT kernel with position biases for fewer than ``seq_len`` tokens."""
+        task = recipe.tasks[where.split(".")[1]]
+        require_position_biases(recipe, task.tokenizer, self.seq_len, f"'{where}.seq_len'")
 
 
 @dataclass
