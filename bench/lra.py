@@ -274,7 +274,10 @@ def trained_bag(train: list, val: list, vocab_size: int, recipe) -> float:
     model = nn.Sequential(nn.LayerNorm(embed.embedding_dim), nn.Linear(embed.embedding_dim, n_classes))
     params = [*embed.parameters(), *model.parameters()]
     o, steps, warmup = recipe.optim, recipe.trainer.max_steps, recipe.optim.warmup_steps
-    opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+    decay = [embed.weight, model[1].weight]  # as the recipe's optimiser: no decay on norms and biases
+    rest = [p for p in params if all(p is not d for d in decay)]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=o.lr)
 
     def lr_factor(step: int) -> float:
         if step < warmup:
@@ -333,7 +336,8 @@ UNITS = {
 
 
 def _naive_bayes(train: list, val: list) -> float:
-    """Multinomial naive Bayes (add-one smoothing) over words: validation accuracy."""
+    """Multinomial naive Bayes (add-one smoothing) over each passage's units (bytes, 4-byte windows or
+    words, ``UNITS``): validation accuracy."""
     counts: dict[int, Counter] = defaultdict(Counter)
     prior = Counter(label for _, label in train)
     for (words,), label in train:
@@ -368,12 +372,14 @@ def _tfidf_pairs(train: list, val: list) -> float:
         return dot / norm if norm else 0.0
 
     scored = sorted((cosine(*halves), label) for halves, label in train)
-    positives_above = sum(label for _, label in scored)
-    best, threshold, negatives_below = -1, float("inf"), 0
-    for score, label in scored:  # "same" from this score on
-        right = negatives_below + positives_above
-        if right > best:
-            best, threshold = right, score
+    # "same" from a threshold on: each distinct score is a candidate, and +inf ("never same"); pairs of
+    # equal score (often 0: no shared word) fall on one side together
+    positives_above, negatives_below = sum(label for _, label in scored), 0
+    best, threshold = len(scored) - positives_above, float("inf")  # never same: every negative right
+    for i, (score, label) in enumerate(scored):
+        if i == 0 or score != scored[i - 1][0]:
+            if negatives_below + positives_above > best:
+                best, threshold = negatives_below + positives_above, score
         negatives_below += label == 0
         positives_above -= label == 1
     return sum((cosine(*halves) >= threshold) == bool(label) for halves, label in val) / len(val)

@@ -242,3 +242,41 @@ def test_aft_position_biases_must_cover_the_tokens_every_data_kind_gives():
         RecipeError, match="is 127, but 'tasks.kjv.data.seq_len' gives 128 tokens per sequence"
     ):
         load_recipe(gpt, aft("aft_full", 127, unpacked))
+
+
+TOWERS = """\
+name: towers
+model:
+  tokenizers:
+    image: {kind: vit_patch, image_size: 28, patch_size: 7, in_chans: 1, mean: [0.5], std: [0.5]}
+    text: {kind: bpe, vocab_size: 300}
+  backbone: {d_model: 32, n_layers: 2, n_heads: 2, positions: rope, attn_kernel: lsh}
+  towers:
+    text: {d_model: 32, n_layers: 2, n_heads: 2, causal: true, positions: rope}
+  heads: {digits: {kind: classifier, num_classes: 10, pool: mean}, lm: {kind: lm}}
+tasks:
+  mnist: {kind: classification, tokenizer: image, head: digits, data: {kind: image_folder, root: /nonexistent}}
+  corpus: {kind: causal_lm, tokenizer: text, head: lm, data: {kind: text, root: /nonexistent.txt, seq_len: 32}}
+optim: {lr: 1e-3}
+trainer: {max_steps: 3, accelerator: cpu}
+"""
+
+
+def test_the_mask_rules_a_task_needs_are_asked_of_the_backbone_that_reads_it():
+    """A packed causal LM read by a text tower needs documents and causal masks of that tower, not of the
+    shared backbone an image task reads (LSH there is fine); an LSH tower is refused for it, and flex in a
+    tower is refused for training on the CPU as in the shared backbone."""
+    from mmformer.build.trainer import refuse_kernels_untrainable_here
+
+    recipe_from_yaml(TOWERS)  # the shared LSH backbone reads only images
+    with pytest.raises(RecipeError) as e:
+        recipe_from_yaml(TOWERS, ["model.backbone.attn_kernel=sdpa", "model.towers.text.attn_kernel=lsh"])
+    assert str(e.value).startswith(
+        "'model.towers.text.attn_kernel': lsh does not implement documents masks, which this recipe needs "
+        "(causal, documents)"
+    )
+    assert "tasks.corpus.data: pack: true" in str(e.value)
+    with pytest.raises(
+        RecipeError, match="'model.towers.text.attn_kernel': flex has no backward pass on the CPU"
+    ):
+        refuse_kernels_untrainable_here(recipe_from_yaml(TOWERS, ["model.towers.text.attn_kernel=flex"]))

@@ -88,21 +88,24 @@ def pretrained_parts(recipe):
 
 def refuse_kernels_untrainable_here(recipe) -> None:
     """Raises ``RecipeError`` before any data is read when the run would train on the CPU
-    (``trainer.accelerator: cpu``, or ``auto`` without a CUDA device) with ``model.backbone.attn_kernel:
-    flex``, which has no backward pass there (``nn.attention.flex_attention``); flex still serves
-    evaluation and generation on the CPU, so ``info``, ``validate`` and ``generate`` take it."""
+    (``trainer.accelerator: cpu``, or ``auto`` without a CUDA device) with ``attn_kernel: flex`` in
+    ``model.backbone`` or a tower, which has no backward pass there (``nn.attention.flex_attention``);
+    flex still serves evaluation and generation on the CPU, so ``info``, ``validate`` and ``generate``
+    take it. A pretrained backbone has no ``attn_kernel`` setting."""
     import torch
 
     t = recipe.trainer
-    kernel = getattr(recipe.model.backbone, "attn_kernel", None)  # a pretrained backbone has none
     on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
-    if kernel == "flex" and on_cpu:
-        where = "trainer.accelerator=cpu" if t.accelerator == "cpu" else "no CUDA device here"
-        raise RecipeError(
-            f"'model.backbone.attn_kernel': flex has no backward pass on the CPU, where this run would "
-            f"train ({where}): set attn_kernel sdpa (or auto), or train on a GPU; flex serves evaluation "
-            "and generation on the CPU"
-        )
+    parts = {"model.backbone": recipe.model.backbone}
+    parts |= {f"model.towers.{n}": c for n, c in recipe.model.towers.items()}
+    for where, cfg in parts.items():
+        if on_cpu and getattr(cfg, "attn_kernel", None) == "flex":
+            why = "trainer.accelerator=cpu" if t.accelerator == "cpu" else "no CUDA device here"
+            raise RecipeError(
+                f"'{where}.attn_kernel': flex has no backward pass on the CPU, where this run would train "
+                f"({why}): set attn_kernel sdpa (or auto), or train on a GPU; flex serves evaluation and "
+                "generation on the CPU"
+            )
 
 
 def build_strategy(t, unused: bool = False, sharded: bool = False):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..build import build_model
 from ..models import count_flops
+from ..models.generate import context_length
 from ..recipe import load_recipe, recipe_to_yaml
 
 
@@ -71,6 +72,11 @@ def describe_model(model, recipe) -> list[str]:
         if head is not None and hasattr(tok, "example_input") and task.tokenizer not in model.towers:
             rows = getattr(model.heads[head], "rows_per_sample", 1)  # a pair head reads two sequences
             inputs = tok.example_input(rows)
+            fits = context_length(model, task.tokenizer)  # AFT's position biases may hold fewer tokens
+            if fits is not None and hasattr(tok, "vocab_size"):
+                fits -= getattr(tok, "num_prefix_tokens", 0)
+                if inputs.shape[1] > fits:
+                    inputs = tok.example_input(rows, length=fits)
             flops = count_flops(model, inputs, task.tokenizer, head)
             length = inputs.shape[1] if hasattr(tok, "vocab_size") else None
             what = (

@@ -181,11 +181,12 @@ class BackboneConfig:
         needs |= {"spans"} if self.bidirectional else set()
         needs |= {"window"} if self.window else set()
         needs |= {"sparse"} if self.bigbird_block else set()
-        if where == "model.backbone":
-            kinds = {getattr(t, "kind", None) for t in recipe.tasks.values()}
+        if where == "model.backbone" or where.startswith("model.towers."):
+            reading = reading_tasks(recipe, where)
+            kinds = {getattr(recipe.tasks[t], "kind", None) for t in reading}
             needs |= {"causal"} if kinds & {"causal_lm", "prefix_lm"} else set()
             needs |= {"spans"} if "prefix_lm" in kinds else set()
-            needs |= {"documents"} if packed_tasks(recipe) else set()
+            needs |= {"documents"} if packed_tasks(recipe, reading) else set()
         return needs
 
     def check(self, recipe, where: str) -> None:
@@ -219,7 +220,7 @@ class BackboneConfig:
             )
         missing = needs - kernel_rules(self.attn_kernel)
         if missing:
-            packed = packed_tasks(recipe) if "documents" in missing and where == "model.backbone" else []
+            packed = packed_tasks(recipe, reading_tasks(recipe, where)) if "documents" in missing else []
             unpack = (
                 f" ({', '.join(packed)}: pack: true puts several documents in a row, which documents "
                 "masks keep apart; set pack: false to pad each document alone)"
@@ -261,13 +262,25 @@ def require_position_biases(recipe, tokenizer: str, n_tokens: int, why: str) -> 
         )
 
 
-def packed_tasks(recipe) -> list[str]:
-    """The ``tasks.<name>.data`` entries of ``recipe`` that pack several documents into one row
-    (``data.pack: true``): attention between them is cut by document masks."""
+def reading_tasks(recipe, where: str) -> list[str]:
+    """The tasks whose tokens the backbone at ``where`` reads: a tower's (``model.towers.<tokenizer>``)
+    those of a task using that tokenizer, the shared backbone's those using any other."""
+    tower = where.removeprefix("model.towers.") if where.startswith("model.towers.") else None
+    towers = set(recipe.model.towers)
+    return [
+        name
+        for name, task in recipe.tasks.items()
+        if any((tok == tower) if tower else (tok not in towers) for tok in task.tokenizer_refs().values())
+    ]
+
+
+def packed_tasks(recipe, tasks: list[str] | None = None) -> list[str]:
+    """The ``tasks.<name>.data`` entries of ``recipe`` (of ``tasks``, default all) that pack several
+    documents into one row (``data.pack: true``): attention between them is cut by document masks."""
     return [
         f"tasks.{name}.data"
         for name, task in recipe.tasks.items()
-        if getattr(getattr(task, "data", None), "pack", False) is True
+        if (tasks is None or name in tasks) and getattr(getattr(task, "data", None), "pack", False) is True
     ]
 
 

@@ -107,7 +107,7 @@ def generate(
     lengths = valid.sum(dim=1)
     if ids.shape[1] == 0 or bool((lengths == 0).any()):
         raise ValueError("every prompt needs at least one token")
-    max_len = getattr(model.tokenizers[tokenizer], "max_len", None)
+    max_len = context_length(model, tokenizer)
     if max_len is not None:
         room = max_len - int(lengths.max())
         if room <= 0:
@@ -180,6 +180,18 @@ def generate(
     return out
 
 
+def context_length(model, tokenizer: str) -> int | None:
+    """The most tokens one sequence of ``tokenizer`` may hold: its learned positions (``max_len``) and the
+    position biases of its backbone's kernels (AFT's ``max_len``), the smaller; None when neither
+    limits it."""
+    limits = [getattr(model.tokenizers[tokenizer], "max_len", None)]
+    for m in model.backbone_of(tokenizer).modules():
+        if isinstance(m, Attention) and m.kernel_module is not None and m.kernel == m.kernel_module.name:
+            limits.append(getattr(m.kernel_module, "max_len", None))
+    limits = [n for n in limits if n is not None]
+    return min(limits) if limits else None
+
+
 def cacheless_kernels(backbone: nn.Module) -> list[str]:
     """The attention kernels of ``backbone`` that cannot decode from a KV cache (their mask rules lack
     ``cache``: LSH, AFT, RFA, the Performer), sorted; empty when every layer can."""
@@ -190,26 +202,33 @@ def cacheless_kernels(backbone: nn.Module) -> list[str]:
 def _recomputing(
     model, tokenizer, head, ids, valid, max_new_tokens, eos_id, temperature, top_k, top_p, generator, stats
 ) -> list[list[int]]:
-    """``generate`` for a backbone whose kernel reads no KV cache: each new token runs the whole
-    left-padded sequence again (what transformers' ``use_cache=False`` does; quadratic in the new tokens,
-    for samples and short continuations). Every row stays in the batch to the last step."""
-    out: list[list[int]] = [[] for _ in range(ids.shape[0])]
-    ended = [False] * ids.shape[0]
-    forwards = -1  # the passes after the prompt's, as generate counts them
-    while max_new_tokens > 0:
-        hidden, tokens = model.encode(tokenizer, ids, valid=valid)
-        logits = model.heads[head](hidden[:, -1:], tokens)[:, -1]
-        forwards += 1
+    """``generate`` for a backbone whose kernel reads no KV cache: each new token runs the whole sequence
+    again (what transformers' ``use_cache=False`` does; quadratic in the new tokens, for samples and short
+    continuations). The rows are right-padded, so every row's tokens sit at positions 0, 1, … as in
+    training (a kernel with absolute position biases, AFT, reads them there), and each row's logits are
+    read at its last token. Every row stays in the batch to the last step."""
+    rows = [ids[i][valid[i]] for i in range(ids.shape[0])]  # each prompt without its padding
+    out: list[list[int]] = [[] for _ in rows]
+    ended = [False] * len(rows)
+    forwards = 0  # the passes after the prompt's, as generate counts them
+    for step in range(max_new_tokens):
+        lengths = torch.tensor([len(r) for r in rows], device=ids.device)
+        x = torch.zeros(len(rows), int(lengths.max()), dtype=ids.dtype, device=ids.device)
+        x_valid = torch.arange(x.shape[1], device=ids.device) < lengths[:, None]
+        x[x_valid] = torch.cat(rows)
+        hidden, tokens = model.encode(tokenizer, x, valid=x_valid)
+        last = hidden[torch.arange(len(rows), device=ids.device), lengths - 1]  # (B, D)
+        logits = model.heads[head](last[:, None], tokens)[:, -1]
+        forwards += step > 0
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
         for i, t in enumerate(nxt.tolist()):
             if not ended[i] and t == eos_id:
                 ended[i] = True
             elif not ended[i]:
                 out[i].append(t)
-        if all(ended) or forwards + 1 >= max_new_tokens:
+        if all(ended):
             break
-        ids = torch.cat([ids, nxt[:, None]], dim=1)
-        valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
+        rows = [torch.cat([r, t[None]]) for r, t in zip(rows, nxt)]
     if stats is not None:
         stats.update(forwards=forwards)
     return out

@@ -56,6 +56,18 @@ def test_tfidf_pairs_threshold_separates_shared_from_disjoint_words():
     assert lra._tfidf_pairs(train, [([Counter({"lamb": 1}), Counter({"lamb": 1})], 0)]) == 0.0
 
 
+def test_tfidf_pairs_thresholds_sit_between_distinct_scores():
+    """Pairs of equal score (cosine 0: no shared word) fall on one side of the threshold together, and
+    "never same" is a candidate: the fit is the best threshold on the training pairs themselves."""
+    disjoint = lambda a, b, y: ([Counter({a: 1}), Counter({b: 1})], y)  # noqa: E731
+    shared = lambda a, y=1: ([Counter({a: 1, "x" + a: 1}), Counter({a: 1, "y" + a: 1})], y)  # noqa: E731
+    train = [disjoint("a", "b", 0), disjoint("c", "d", 0), disjoint("e", "f", 0), disjoint("g", "h", 1)]
+    train += [shared("p"), shared("q"), shared("r")]
+    assert lra._tfidf_pairs(train, train) == 6 / 7  # "same" above 0: only the disjoint positive wrong
+    negatives = [shared("p", 0), shared("q", 0)]
+    assert lra._tfidf_pairs(negatives, negatives) == 1.0  # never "same"
+
+
 def test_trained_bag_learns_which_bytes_a_class_uses_and_ignores_their_order():
     """Two classes told apart by which bytes they hold, never by order: the bag, trained as the Text
     recipe trains (its optimiser, warmup, clipping) for 60 steps, gets every held-out sequence right,

@@ -61,9 +61,13 @@ def test_cached_generation_equals_greedy_recomputation():
             assert out[row] == seq[-6:]
 
 
-@pytest.mark.parametrize("kernel", ["aft_full", "lsh"])
+@pytest.mark.parametrize("kernel", ["aft_full", "aft_local", "lsh"])
 def test_a_kernel_without_a_kv_cache_generates_by_recomputing_the_sequence(kernel):
-    options = {"aft_full": {"max_len": 16}, "lsh": {"n_buckets": 2, "chunk_size": 4}}[kernel]
+    options = {
+        "aft_full": {"max_len": 16},
+        "aft_local": {"max_len": 16, "window": 3},
+        "lsh": {"n_buckets": 2, "chunk_size": 4},
+    }[kernel]
     torch.manual_seed(0)
     model = MultimodalModel(
         {"text": TextEmbedding(40, 32)},
@@ -73,9 +77,15 @@ def test_a_kernel_without_a_kv_cache_generates_by_recomputing_the_sequence(kerne
         ),
         {"lm": LMHead(32, 40)},
     ).eval()  # fmt: skip
+    with torch.no_grad():  # AFT's position biases as trained ones are (zero at init: any position fits)
+        for name, p in model.named_parameters():
+            if name.endswith("pos_bias"):
+                p.normal_()
     ids = torch.tensor([[0, 0, 3, 4, 5], [6, 7, 8, 9, 10]])
     valid = ids != 0
-    out = generate(model, "text", "lm", ids, valid, max_new_tokens=6)
+    stats = {}
+    out = generate(model, "text", "lm", ids, valid, max_new_tokens=6, stats=stats)
+    assert stats["forwards"] == 5  # after the prompt's, as the KV-cache path counts them
     with torch.no_grad():  # left padding changes nothing: each row as greedy recomputation alone
         for row in range(2):
             seq = ids[row][valid[row]].tolist()
@@ -85,7 +95,9 @@ def test_a_kernel_without_a_kv_cache_generates_by_recomputing_the_sequence(kerne
     eos = out[1][0]  # each row stops before its first eos
     stopped = generate(model, "text", "lm", ids, valid, 6, eos_id=eos)
     assert stopped == [o[: o.index(eos)] if eos in o else o for o in out] and stopped[1] == []
-    assert generate(model, "text", "lm", ids, valid, 0) == [[], []]
+    assert generate(model, "text", "lm", ids, valid, 0, stats=stats) == [[], []] and stats["forwards"] == 0
+    if kernel.startswith("aft"):  # its 16 position biases are the context: 5 prompt tokens + 11 new
+        assert [len(o) for o in generate(model, "text", "lm", ids, valid, 40)] == [11, 11]
     for refused in ({"compile": True}, {"prompt_lookup_num_tokens": 2}):
         with pytest.raises(ValueError, match=f"the {kernel} kernel cannot read"):
             generate(model, "text", "lm", ids, valid, 4, **refused)
@@ -192,15 +204,30 @@ def test_train_and_generate_through_the_cli(workdir, capsys):
     assert capsys.readouterr().out == plain  # greedy decoding's text, drafts or not
 
 
-def test_a_causal_lm_with_a_kernel_without_a_kv_cache_trains_samples_and_generates(workdir, capsys):
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        ["model.backbone.attn_kernel=aft_simple"],
+        # position biases for exactly seq_len tokens and no learned positions: the model's FLOPs are
+        # counted, its samples drawn and its continuations generated within those 32 tokens
+        [
+            "model.backbone.attn_kernel=aft_full",
+            "model.backbone.kernel_options={max_len: 32}",
+            "model.tokenizers.text.max_len=null",
+            "model.backbone.positions=rope",
+        ],
+    ],
+    ids=["aft_simple", "aft_full"],
+)
+def test_a_causal_lm_with_a_kernel_without_a_kv_cache_trains_samples_and_generates(kernel, workdir, capsys):
     (workdir / "corpus.txt").write_text("\n\n".join(f"Chapter {i}\n1 And it was so, {i}." for i in range(30)))
     recipe = workdir / "lm.yaml"
     recipe.write_text(LM_RECIPE.format(root=workdir / "corpus.txt"))
-    kernel = ["model.backbone.attn_kernel=aft_simple", "tasks.corpus.data.pack=false", "trainer.max_steps=3"]
+    kernel = [*kernel, "tasks.corpus.data.pack=false", "trainer.max_steps=3"]
     assert main(["train", str(recipe), *kernel, "logger.mode=offline"]) == 0  # samples at the validation
     ckpt = next((workdir / "runs" / "tiny_lm").glob("*/checkpoints/last.ckpt"))
     capsys.readouterr()
-    assert main(["generate", str(ckpt), "--prompt", "And it", "--max-new-tokens", "5"]) == 0
+    assert main(["generate", str(ckpt), "--prompt", "And it", "--max-new-tokens", "40"]) == 0  # past 32
     assert capsys.readouterr().out.startswith("And it")
 
 
