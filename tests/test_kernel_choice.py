@@ -280,3 +280,21 @@ def test_the_mask_rules_a_task_needs_are_asked_of_the_backbone_that_reads_it():
         RecipeError, match="'model.towers.text.attn_kernel': flex has no backward pass on the CPU"
     ):
         refuse_kernels_untrainable_here(recipe_from_yaml(TOWERS, ["model.towers.text.attn_kernel=flex"]))
+
+
+def test_aft_position_biases_must_cover_an_audio_tokenizers_longest_clip(tmp_path):
+    """AST: 2-second clips at 8 kHz, hop 80 → 201 frames, 16-bin patches of 64 mels every 8 frames → 4 × 26
+    = 104 tokens (trained a step at exactly 104 in the CLI); Whisper's stem: 5 s → 251 tokens."""
+    from tests.test_config import WHISPER_CONV_RECIPE
+
+    ast = Path(__file__).resolve().parents[1] / "recipes" / "audio" / "ast_classify_spoken_words.yaml"
+    aft = ["model.backbone.attn_kernel=aft_full"]
+    load_recipe(ast, [*aft, "model.backbone.kernel_options={max_len: 104}"])
+    with pytest.raises(RecipeError) as e:
+        load_recipe(ast, [*aft, "model.backbone.kernel_options={max_len: 103}"])
+    assert "but 'model.tokenizers.audio' (2-second clips: 4 × 26 patches) gives 104 tokens" in str(e.value)
+    whisper = tmp_path / "conv.yaml"
+    whisper.write_text(WHISPER_CONV_RECIPE)
+    load_recipe(whisper, [*aft, "model.backbone.kernel_options={max_len: 251}"])
+    with pytest.raises(RecipeError, match="one token per 20 ms\\) gives 251 tokens per sequence"):
+        load_recipe(whisper, [*aft, "model.backbone.kernel_options={max_len: 250}"])

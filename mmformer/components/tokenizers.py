@@ -15,7 +15,14 @@ from ..models.pretrained import FAMILY_MODALITY, Pretrained, pretrained_family
 from ..models.pretrained.timm_vit import LoadReport, adapt_tokenizer
 from ..registry import register
 from ..tokenizers import ViTPatchTokenizer
-from ..tokenizers.audio import ASTPatchTokenizer, AudioPreprocess, LogMel, SpecAugment, WhisperConvTokenizer
+from ..tokenizers.audio import (
+    ASTPatchTokenizer,
+    AudioPreprocess,
+    LogMel,
+    SpecAugment,
+    WhisperConvTokenizer,
+    ast_grid,
+)
 from ..tokenizers.diffusion import DiTTokenizer
 from ..tokenizers.text import TextEmbedding
 from .backbones import freeze, require_position_biases
@@ -101,6 +108,12 @@ class ASTConfig(AudioAugmentation):
         if self.normalize not in ("fixed", "utterance"):
             raise ValueError(f"normalize={self.normalize!r}; choose fixed or utterance")
 
+    def check(self, recipe, where: str) -> None:
+        """Refuses an AFT kernel with position biases for fewer tokens than the longest clip's patches."""
+        n_freq, n_time = ast_grid(self.n_mels, self.patch_size, self.patch_stride, self.max_frames)
+        why = f"'{where}' ({self.max_seconds:g}-second clips: {n_freq} × {n_time} patches)"
+        require_position_biases(recipe, where.rsplit(".", 1)[-1], n_freq * n_time, why)
+
     @property
     def max_frames(self) -> int:
         return int(round(self.max_seconds * self.sample_rate)) // self.hop_length + 1
@@ -121,6 +134,16 @@ class WhisperConvConfig(AudioAugmentation):
     @property
     def sample_rate(self) -> int:
         return 16_000  # Whisper's log-mel is defined at 16 kHz
+
+    @property
+    def n_ctx(self) -> int:
+        """Tokens of the longest clip: 100 frames per second, then a stride-2 convolution."""
+        return int(round(self.max_seconds * 100)) // 2 + 1
+
+    def check(self, recipe, where: str) -> None:
+        """Refuses an AFT kernel with position biases for fewer tokens than the longest clip gives."""
+        why = f"'{where}' ({self.max_seconds:g}-second clips, one token per 20 ms)"
+        require_position_biases(recipe, where.rsplit(".", 1)[-1], self.n_ctx, why)
 
     def __post_init__(self) -> None:
         positive(self, "n_mels", "max_seconds")
@@ -229,8 +252,7 @@ def build_ast(cfg: ASTConfig, d_model: int, ctx: BuildContext, name: str) -> AST
 def build_whisper_conv(
     cfg: WhisperConvConfig, d_model: int, ctx: BuildContext, name: str
 ) -> WhisperConvTokenizer:
-    n_ctx = int(round(cfg.max_seconds * 100)) // 2 + 1  # 100 frames/s, stride 2
-    return WhisperConvTokenizer(d_model, cfg.n_mels, n_ctx, SpecAugment(cfg.freq_mask, cfg.time_mask))
+    return WhisperConvTokenizer(d_model, cfg.n_mels, cfg.n_ctx, SpecAugment(cfg.freq_mask, cfg.time_mask))
 
 
 @register("tokenizer", "dit", DiTTokenizerConfig)

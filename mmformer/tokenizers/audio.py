@@ -220,6 +220,16 @@ class SpecAugment(nn.Module):
         return x.squeeze(1)
 
 
+def ast_grid(
+    n_mels: int, patch_size: tuple[int, int], patch_stride: tuple[int, int], max_frames: int
+) -> tuple[int, int]:
+    """``(frequency patches, most time patches)`` of an ``ASTPatchTokenizer``: its longest clip gives
+    their product in tokens (patches start every ``stride`` bins / frames; a time patch exists for every
+    start inside the ``max_frames`` frames)."""
+    (pf, _), (sf, st) = patch_size, patch_stride
+    return (n_mels - pf) // sf + 1, (max_frames - 1) // st + 1
+
+
 class ASTPatchTokenizer(nn.Module):
     """Waveform → log-mel → 2-D patches (frequency × time) → Tokens, ordered time-major so that a
     shorter clip's tokens are a prefix (AST; overlapping patches when ``patch_stride < patch_size``).
@@ -258,8 +268,7 @@ class ASTPatchTokenizer(nn.Module):
             raise ValueError(f"patch_size[0]={pf} exceeds n_mels={mel.n_mels}")
         self.mel, self.spec_augment = mel, spec_augment or SpecAugment()
         self.patch_size, self.patch_stride, self.max_frames = (pf, pt), (sf, st), max_frames
-        self.n_freq = (mel.n_mels - pf) // sf + 1
-        self.max_time = (max_frames - 1) // st + 1
+        self.n_freq, self.max_time = ast_grid(mel.n_mels, patch_size, patch_stride, max_frames)
         self.proj = nn.Conv2d(1, d_model, kernel_size=(pf, pt), stride=(sf, st))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.max_time * self.n_freq, d_model))
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
