@@ -93,3 +93,25 @@ def test_generation_counts_its_tokens_and_generates_the_same(monkeypatch, capsys
     assert generate(model, "text", "lm", ids, valid, 6, bar=True) == plain
     err = capsys.readouterr().err
     assert "generating:" in err and "/6 [" in err  # a bar over the 6 new tokens
+
+
+def test_generation_without_a_kv_cache_counts_its_tokens_too(monkeypatch, capsys):
+    import torch
+
+    from mmformer.models import AttentionConfig, PositionConfig, build_backbone
+    from mmformer.models.generate import generate
+    from mmformer.models.heads import LMHead
+    from mmformer.models.model import MultimodalModel
+    from mmformer.tokenizers import TextEmbedding
+
+    torch.manual_seed(0)
+    attention = AttentionConfig(4, kernel="lsh", kernel_options={"n_buckets": 2, "chunk_size": 4})
+    backbone = build_backbone(32, 1, attention, positions=PositionConfig("rope"), causal=True)
+    model = MultimodalModel({"text": TextEmbedding(40, 32)}, backbone, {"lm": LMHead(32, 40)}).eval()
+    ids = torch.randint(1, 40, (2, 5))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    plain = generate(model, "text", "lm", ids, valid, 6)
+    monkeypatch.setenv(ENV, "1")
+    assert generate(model, "text", "lm", ids, valid, 6, bar=True) == plain
+    err = capsys.readouterr().err
+    assert "generating:" in err and "/6 [" in err

@@ -175,18 +175,17 @@ class BackboneConfig:
 
     def mask_rules(self, recipe, where: str) -> set[str]:
         """The mask rules (``nn.kernels.MASK_RULES``) this backbone's attention must implement in
-        ``recipe``: its own settings, and for ``model.backbone`` the tasks that read it (a prefix-LM's
+        ``recipe``: its own settings, and the tasks that read it (``reading_tasks``: a prefix-LM's
         bidirectional prefix is a span, a causal LM's order is causal)."""
         needs = {"causal"} if self.causal else set()
         needs |= {"spans"} if self.bidirectional else set()
         needs |= {"window"} if self.window else set()
         needs |= {"sparse"} if self.bigbird_block else set()
-        if where == "model.backbone" or where.startswith("model.towers."):
-            reading = reading_tasks(recipe, where)
-            kinds = {getattr(recipe.tasks[t], "kind", None) for t in reading}
-            needs |= {"causal"} if kinds & {"causal_lm", "prefix_lm"} else set()
-            needs |= {"spans"} if "prefix_lm" in kinds else set()
-            needs |= {"documents"} if packed_tasks(recipe, reading) else set()
+        reading = reading_tasks(recipe, where)  # model.backbone or model.towers.<tokenizer>
+        kinds = {getattr(recipe.tasks[t], "kind", None) for t in reading}
+        needs |= {"causal"} if kinds & {"causal_lm", "prefix_lm"} else set()
+        needs |= {"spans"} if "prefix_lm" in kinds else set()
+        needs |= {"documents"} if packed_tasks(recipe, reading) else set()
         return needs
 
     def check(self, recipe, where: str) -> None:
@@ -274,13 +273,13 @@ def reading_tasks(recipe, where: str) -> list[str]:
     ]
 
 
-def packed_tasks(recipe, tasks: list[str] | None = None) -> list[str]:
-    """The ``tasks.<name>.data`` entries of ``recipe`` (of ``tasks``, default all) that pack several
-    documents into one row (``data.pack: true``): attention between them is cut by document masks."""
+def packed_tasks(recipe, tasks: list[str]) -> list[str]:
+    """The ``tasks.<name>.data`` entries of ``tasks`` that pack several documents into one row
+    (``data.pack: true``): attention between them is cut by document masks."""
     return [
         f"tasks.{name}.data"
-        for name, task in recipe.tasks.items()
-        if (tasks is None or name in tasks) and getattr(getattr(task, "data", None), "pack", False) is True
+        for name in tasks
+        if getattr(getattr(recipe.tasks[name], "data", None), "pack", False) is True
     ]
 
 

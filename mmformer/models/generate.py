@@ -123,7 +123,7 @@ def generate(
                 f"{', '.join(without_cache)} kernel cannot read: generate without them"
             )
         return _recomputing(model, tokenizer, head, ids, valid, max_new_tokens, eos_id, temperature, top_k,
-                            top_p, generator, stats)  # fmt: skip
+                            top_p, generator, stats, bar)  # fmt: skip
     model.for_decoding()
     if compile:
         forward = compiled_step(model, tokenizer, "cached" if compile is True else compile)
@@ -200,8 +200,9 @@ def cacheless_kernels(backbone: nn.Module) -> list[str]:
 
 
 def _recomputing(
-    model, tokenizer, head, ids, valid, max_new_tokens, eos_id, temperature, top_k, top_p, generator, stats
-) -> list[list[int]]:
+    model, tokenizer, head, ids, valid, max_new_tokens, eos_id, temperature, top_k, top_p, generator, stats,
+    bar=False,
+) -> list[list[int]]:  # fmt: skip
     """``generate`` for a backbone whose kernel reads no KV cache: each new token runs the whole sequence
     again (what transformers' ``use_cache=False`` does; quadratic in the new tokens, for samples and short
     continuations). The rows are right-padded, so every row's tokens sit at positions 0, 1, … as in
@@ -211,7 +212,10 @@ def _recomputing(
     out: list[list[int]] = [[] for _ in rows]
     ended = [False] * len(rows)
     forwards = 0  # the passes after the prompt's, as generate counts them
+    steps = progress(desc="generating", total=max_new_tokens, unit="token", leave=False) if bar else None
     for step in range(max_new_tokens):
+        if steps is not None:
+            steps.update(1)
         lengths = torch.tensor([len(r) for r in rows], device=ids.device)
         x = torch.zeros(len(rows), int(lengths.max()), dtype=ids.dtype, device=ids.device)
         x_valid = torch.arange(x.shape[1], device=ids.device) < lengths[:, None]
@@ -229,6 +233,8 @@ def _recomputing(
         if all(ended):
             break
         rows = [torch.cat([r, t[None]]) for r, t in zip(rows, nxt)]
+    if steps is not None:
+        steps.close()
     if stats is not None:
         stats.update(forwards=forwards)
     return out
