@@ -175,9 +175,9 @@ def accuracy(
 
 def baselines(tasks: list[str], overrides: list[str] = (), firsts: tuple[int, ...] = (1, 2, 3)) -> None:
     """Validation accuracy of label-only and first-tokens-only predictors, from each task's data; on the
-    byte-level tasks, of order-free predictors (counts of bytes, 4-byte windows, words), and on Text of a
-    bag of bytes trained with the recipe's optimiser and budget (``trained_bag``; ``overrides`` apply to
-    its recipe, e.g. ``tasks.text.data.max_len=512``)."""
+    byte-level tasks, of order-free predictors (counts of bytes, 4-byte windows, words) and of a bag of
+    bytes trained with the recipe's optimiser, head and budget (``trained_bag``; ``overrides`` apply to
+    each task's recipe, e.g. ``--tasks text --set tasks.text.data.max_len=512``)."""
     from mmformer.data.roots import resolve_root
     from mmformer.data.sequence_format import read_meta, read_split
     from mmformer.recipe import load_recipe
@@ -228,8 +228,8 @@ def baselines(tasks: list[str], overrides: list[str] = (), firsts: tuple[int, ..
             )
             cells.append(predict(train, val))
         print(f"| {task} | {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
-    if "text" in byte_tasks:  # the recipe's optimiser and budget on a model without blocks
-        recipe = load_recipe(ROOT / RECIPES["text"], list(overrides))
+    for task in byte_tasks:  # the recipe's optimiser and budget on its model without blocks
+        recipe = load_recipe(ROOT / RECIPES[task], list(overrides))
         (cfg,) = recipe.tasks.values()
         root = resolve_root(str(cfg.data.root))
         meta = read_meta(root)
@@ -237,47 +237,58 @@ def baselines(tasks: list[str], overrides: list[str] = (), firsts: tuple[int, ..
             _sequences(root, meta, split, cfg.data.max_len)
             for split in (cfg.data.train_split, cfg.data.val_split)
         )
-        acc = trained_bag(train, val, meta["vocab_size"], recipe)
+        acc = trained_bag(train, val, recipe)
         print(
-            f"\n| text | a bag of bytes trained as the recipe trains (d_model {recipe.model.backbone.d_model}, "
+            f"\n| {task} | a bag of bytes trained as the recipe trains (d_model {recipe.model.backbone.d_model}, "
             f"lr {recipe.optim.lr:g}, {recipe.trainer.max_steps} steps × {cfg.data.batch_size}) | {acc:.3f} |",
             flush=True,
         )
 
 
-def _sequences(root: Path, meta: dict, split: str, max_len: int | None) -> list[tuple[np.ndarray, int]]:
-    """Each stored sequence (its first ``max_len`` ids) and its label."""
+def _sequences(root: Path, meta: dict, split: str, max_len: int | None) -> list[tuple[list[np.ndarray], int]]:
+    """Each stored sequence as its passages — two for a pair stored as "A, separator, B" (LRA's
+    Retrieval), one otherwise — each cut to its first ``max_len`` ids, and its label."""
     from mmformer.data.sequence_format import read_split
 
     tokens, offsets, labels = read_split(root, split, meta)
-    return [
-        (tokens[a : b if max_len is None else min(b, a + max_len)], int(y))
-        for a, b, y in zip(offsets[:-1], offsets[1:], labels)
-    ]
+    separator = meta.get("separator")
+    out = []
+    for a, b, label in zip(offsets[:-1], offsets[1:], labels):
+        ids = tokens[a:b]
+        cuts = [0, *(np.flatnonzero(ids == separator) if separator is not None else []), len(ids)]
+        parts = [ids[i + (i > 0) : j][:max_len] for i, j in zip(cuts[:-1], cuts[1:])]
+        out.append((parts, int(label)))
+    return out
 
 
-def trained_bag(train: list, val: list, vocab_size: int, recipe) -> float:
-    """Validation accuracy of the recipe's model without its blocks and positions: the mean of its
-    token embeddings (``d_model`` wide, initialised as the recipe's, N(0, 0.02²)), a LayerNorm and a
-    linear layer — a bag of ids — trained with the recipe's optimiser (AdamW, ``lr``, ``weight_decay``,
-    linear warmup then cosine to 0), batch size, step count, gradient clipping and seed; batches drawn
-    epoch by epoch from a seeded permutation. What the recipe's budget teaches a model that can only
-    count ids: the transformer's blocks can represent it (mean pooling over the residual stream)."""
+def trained_bag(train: list, val: list, recipe) -> float:
+    """Validation accuracy of the recipe's model without its blocks and positions — a bag of ids: the
+    mean of each passage's token embeddings (the recipe's tokenizer's ``embed``, as initialised there),
+    read by the recipe's own head (Text: LayerNorm and linear; Retrieval: the two-tower pair head,
+    LayerNorm of each passage's mean, ``[u, v, u·v, u−v]`` and its MLP) — trained with the recipe's
+    optimiser (AdamW, ``lr``, ``weight_decay`` on matrices only as ``mmformer.training.optim
+    .param_groups`` splits them, linear warmup then cosine to 0), batch size, step count, gradient
+    clipping and seed; batches drawn epoch by epoch from a seeded permutation. ``train`` / ``val``:
+    ``(passages, label)`` as ``_sequences`` reads them. What the recipe's budget teaches a model that
+    can only count ids: the transformer's blocks can represent it (mean pooling over the residual
+    stream)."""
     import torch
     from torch import nn
 
+    from mmformer.build.model import build_model
+    from mmformer.nn.tokens import Tokens
+    from mmformer.training.optim import param_groups
+
     (cfg,) = recipe.tasks.values()
     torch.manual_seed(recipe.seed)
-    n_classes = max(y for _, y in train) + 1
-    embed = nn.EmbeddingBag(vocab_size, recipe.model.backbone.d_model, mode="mean")
-    nn.init.normal_(embed.weight, std=0.02)
-    model = nn.Sequential(nn.LayerNorm(embed.embedding_dim), nn.Linear(embed.embedding_dim, n_classes))
-    params = [*embed.parameters(), *model.parameters()]
+    built = build_model(recipe)
+    bag = nn.Module()
+    bag.embed = nn.EmbeddingBag.from_pretrained(
+        built.tokenizers[cfg.tokenizer].embed.weight, False, mode="mean"
+    )
+    bag.head = built.heads[cfg.head]
     o, steps, warmup = recipe.optim, recipe.trainer.max_steps, recipe.optim.warmup_steps
-    decay = [embed.weight, model[1].weight]  # as the recipe's optimiser: no decay on norms and biases
-    rest = [p for p in params if all(p is not d for d in decay)]
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=o.lr)
+    opt = torch.optim.AdamW(param_groups(bag, o.weight_decay), lr=o.lr)
 
     def lr_factor(step: int) -> float:
         if step < warmup:
@@ -287,9 +298,13 @@ def trained_bag(train: list, val: list, vocab_size: int, recipe) -> float:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
     def logits(batch: list) -> torch.Tensor:
-        ids = [torch.as_tensor(x.astype(np.int64)) for x, _ in batch]
+        # the first passages of the batch, then the second ones (the pair head's 2B rows), one token each
+        ids = [
+            torch.as_tensor(parts[k].astype(np.int64)) for k in range(len(batch[0][0])) for parts, _ in batch
+        ]
         offsets = torch.tensor([0, *(len(x) for x in ids[:-1])]).cumsum(0)
-        return model(embed(torch.cat(ids), offsets))
+        means = bag.embed(torch.cat(ids), offsets)[:, None]  # (rows, 1, D)
+        return bag.head(means, Tokens.from_embeddings(means, 0))
 
     g = torch.Generator().manual_seed(recipe.seed)
     order: list[int] = []
@@ -302,7 +317,7 @@ def trained_bag(train: list, val: list, vocab_size: int, recipe) -> float:
         opt.zero_grad()
         loss.backward()
         if recipe.trainer.gradient_clip_val:
-            nn.utils.clip_grad_norm_(params, recipe.trainer.gradient_clip_val)
+            nn.utils.clip_grad_norm_(bag.parameters(), recipe.trainer.gradient_clip_val)
         opt.step()
         sched.step()
     with torch.no_grad():

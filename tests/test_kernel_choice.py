@@ -213,9 +213,9 @@ def test_option_types_and_settings_no_kernel_reads_are_refused_at_load():
 
 def test_aft_position_biases_must_cover_the_tokens_every_data_kind_gives():
     """AFT-full / AFT-local hold position biases for ``max_len`` tokens: a ViT's patches and class token,
-    a language model's ``seq_len`` — refused at load when more, accepted at exactly enough (boundary
-    checked by training a step in the CLI: 17 tokens for a 28-pixel image in 7-pixel patches, 128 for
-    ``seq_len: 128``)."""
+    a language model's ``seq_len`` (text, shards, Hub datasets) — refused at load when more, accepted at
+    exactly enough (boundary checked by training a step in the CLI: 17 tokens for a 28-pixel image in
+    7-pixel patches, 128 for ``seq_len: 128``)."""
     root = Path(__file__).resolve().parents[1] / "recipes"
     vit, gpt = root / "image" / "vit_tiny_classify_mnist5k.yaml", root / "text" / "gpt_mini_lm_kjv.yaml"
 
@@ -242,6 +242,11 @@ def test_aft_position_biases_must_cover_the_tokens_every_data_kind_gives():
         RecipeError, match="is 127, but 'tasks.kjv.data.seq_len' gives 128 tokens per sequence"
     ):
         load_recipe(gpt, aft("aft_full", 127, unpacked))
+    for kind in ("shards", "hf_dataset"):  # documents of seq_len tokens read from shards or the Hub
+        data = f"tasks.kjv.data={{kind: {kind}, root: /nonexistent, seq_len: 64}}"
+        load_recipe(gpt, aft("aft_local", 64, data))
+        with pytest.raises(RecipeError, match="is 63, but 'tasks.kjv.data.seq_len' gives 64 tokens"):
+            load_recipe(gpt, aft("aft_local", 63, data))
 
 
 TOWERS = """\

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from ...data.hf_datasets import FIELDS, hf_data
 from ...errors import did_you_mean, positive
 from ...registry import register
+from ..backbones import require_position_biases
 from ..context import BuildContext
 from .base import LoaderConfig
 from .shards import shard_decoders, shard_reader
@@ -43,7 +44,9 @@ class HFDatasetConfig(LoaderConfig):
                 )
 
     def check(self, recipe, where: str) -> None:
-        shard_reader(recipe, where, "hf_dataset data")
+        task = shard_reader(recipe, where, "hf_dataset data")
+        if task.shards == "text":  # one document of seq_len tokens per row
+            require_position_biases(recipe, task.tokenizer, self.seq_len, f"'{where}.seq_len'")
 
 
 @register("dataset", "hf_dataset", HFDatasetConfig)

@@ -24,6 +24,7 @@ from ...data.shards import audio_decoder, image_decoder, text_decoder
 from ...errors import RecipeError, positive
 from ...registry import kinds, lookup, register
 from ...tokenizers.image import ImagePreprocess
+from ..backbones import require_position_biases
 from ..context import BuildContext
 from ..tokenizers import audio_preprocess, modality_at_load
 from .base import task_of
@@ -93,6 +94,8 @@ class ShardsDataConfig:
             raise RecipeError(
                 f"'{where}.pack' packs text shards for causal_lm / masked_lm, not a {task.kind} task: remove it"
             )
+        if task.shards == "text":  # one document or packed window of seq_len tokens per row
+            require_position_biases(recipe, task.tokenizer, self.seq_len, f"'{where}.seq_len'")
         if self.label_key and not task.zero_shot:
             raise RecipeError(
                 f"'{where}.label_key' (zero-shot classes) applies to image_caption shards of a contrastive task"
