@@ -303,3 +303,30 @@ def test_aft_position_biases_must_cover_an_audio_tokenizers_longest_clip(tmp_pat
     load_recipe(whisper, [*aft, "model.backbone.kernel_options={max_len: 251}"])
     with pytest.raises(RecipeError, match="one token per 20 ms\\) gives 251 tokens per sequence"):
         load_recipe(whisper, [*aft, "model.backbone.kernel_options={max_len: 250}"])
+
+
+def test_aft_position_biases_must_cover_a_dits_patches_and_the_captions_a_tower_reads():
+    """DiT: 28-pixel images in 4-pixel patches → 49 tokens (no class token); CLIP's captions of
+    ``data.max_len: 24`` read alone by a caption tower, from a manifest or from shards (each trained a
+    step at exactly enough in the CLI)."""
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    dit, clip = root / "diffusion" / "dit_classcond_mnist5k.yaml", root / "multimodal" / "clip_emoji.yaml"
+    load_recipe(dit, ["model.backbone.attn_kernel=aft_full", "model.backbone.kernel_options={max_len: 49}"])
+    with pytest.raises(
+        RecipeError, match="'model.tokenizers.image' \\(28-pixel images in 4-pixel patches\\) gives 49"
+    ):
+        load_recipe(
+            dit, ["model.backbone.attn_kernel=aft_full", "model.backbone.kernel_options={max_len: 48}"]
+        )
+
+    def tower(max_len: int) -> str:
+        options = f"kernel_options: {{max_len: {max_len}, window: 4}}"
+        return f"model.towers.caption={{d_model: 256, n_layers: 1, n_heads: 4, attn_kernel: aft_local, {options}}}"
+
+    for data in ([], ["tasks.emoji.data={kind: shards, root: /nonexistent, max_len: 24}"]):
+        load_recipe(clip, [*data, tower(24)])
+        with pytest.raises(RecipeError) as e:
+            load_recipe(clip, [*data, tower(23)])
+        assert str(e.value).startswith(
+            "'model.towers.caption.kernel_options.max_len' is 23, but 'tasks.emoji.data.max_len' gives 24 tokens"
+        )

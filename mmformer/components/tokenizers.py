@@ -172,6 +172,13 @@ class DiTTokenizerConfig:
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} is not divisible by patch_size={self.patch_size}")
 
+    def check(self, recipe, where: str) -> None:
+        """Refuses an AFT kernel with position biases for fewer tokens than the noisy image's patches."""
+        why = f"'{where}' ({self.image_size}-pixel images in {self.patch_size}-pixel patches)"
+        require_position_biases(
+            recipe, where.rsplit(".", 1)[-1], (self.image_size // self.patch_size) ** 2, why
+        )
+
 
 @dataclass
 class BPEConfig:

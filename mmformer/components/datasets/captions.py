@@ -11,6 +11,7 @@ from ...data.audio_caption import audio_caption_data
 from ...data.image_caption import image_caption_data
 from ...errors import RecipeError, positive
 from ...registry import register
+from ..backbones import require_position_biases
 from ..context import BuildContext
 from ..tokenizers import audio_preprocess, modality_at_load
 from .base import LoaderConfig, task_of
@@ -36,11 +37,13 @@ class ImageCaptionDataConfig(LoaderConfig):
         positive(self, "max_len")
 
     def check(self, recipe, where: str) -> None:
-        if getattr(task_of(recipe, where), "caption_tokenizer", None) is None:
+        task = task_of(recipe, where)
+        if getattr(task, "caption_tokenizer", None) is None:
             raise RecipeError(
                 f"'{where}': image_caption data is read by a task with a caption_tokenizer (kind: diffusion, "
                 "contrastive, prefix_lm or seq2seq)"
             )
+        require_caption_biases(recipe, task, self.max_len, where)
 
 
 @dataclass
@@ -71,6 +74,16 @@ class AudioCaptionDataConfig(LoaderConfig):
             raise RecipeError(
                 f"'{where}': audio_caption data needs an audio tokenizer; {task.tokenizer!r} is not one"
             )
+        require_caption_biases(recipe, task, self.max_len, where)
+
+
+def require_caption_biases(recipe, task, max_len: int, where: str) -> None:
+    """Refuses an AFT kernel (``kernel_options.max_len``) with position biases for fewer than the
+    ``max_len`` caption tokens of ``where`` in the backbone that reads the captions alone (a contrastive
+    text tower, a text-conditional DiT's caption encoder); the tasks that join captions to other tokens
+    in one sequence (prefix-LM spans, seq2seq cross-attention, KV-cache decoding) are refused AFT by their
+    mask rules already."""
+    require_position_biases(recipe, task.caption_tokenizer, max_len, f"'{where}.max_len'")
 
 
 @register("dataset", "image_caption", ImageCaptionDataConfig)

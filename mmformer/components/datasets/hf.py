@@ -13,6 +13,7 @@ from ...registry import register
 from ..backbones import require_position_biases
 from ..context import BuildContext
 from .base import LoaderConfig
+from .captions import require_caption_biases
 from .shards import shard_decoders, shard_reader
 
 
@@ -47,6 +48,8 @@ class HFDatasetConfig(LoaderConfig):
         task = shard_reader(recipe, where, "hf_dataset data")
         if task.shards == "text":  # one document of seq_len tokens per row
             require_position_biases(recipe, task.tokenizer, self.seq_len, f"'{where}.seq_len'")
+        if task.shards == "captions":
+            require_caption_biases(recipe, task, self.max_len, where)
 
 
 @register("dataset", "hf_dataset", HFDatasetConfig)

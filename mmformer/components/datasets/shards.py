@@ -28,6 +28,7 @@ from ..backbones import require_position_biases
 from ..context import BuildContext
 from ..tokenizers import audio_preprocess, modality_at_load
 from .base import task_of
+from .captions import require_caption_biases
 
 
 def shard_reader(recipe, where: str, what: str):
@@ -96,6 +97,8 @@ class ShardsDataConfig:
             )
         if task.shards == "text":  # one document or packed window of seq_len tokens per row
             require_position_biases(recipe, task.tokenizer, self.seq_len, f"'{where}.seq_len'")
+        if task.shards == "captions":
+            require_caption_biases(recipe, task, self.max_len, where)
         if self.label_key and not task.zero_shot:
             raise RecipeError(
                 f"'{where}.label_key' (zero-shot classes) applies to image_caption shards of a contrastive task"
