@@ -177,7 +177,7 @@ def baselines(tasks: list[str], overrides: list[str] = (), firsts: tuple[int, ..
     """Validation accuracy of label-only and first-tokens-only predictors, from each task's data; on the
     byte-level tasks, of order-free predictors (counts of bytes, 4-byte windows, words) and of a bag of
     bytes trained with the recipe's optimiser, head and budget (``trained_bag``; ``overrides`` apply to
-    each task's recipe, e.g. ``--tasks text --set tasks.text.data.max_len=512``)."""
+    each task's recipe, those naming a task, ``tasks.text.…``, to its recipe only)."""
     from mmformer.data.roots import resolve_root
     from mmformer.data.sequence_format import read_meta, read_split
     from mmformer.recipe import load_recipe
@@ -229,12 +229,14 @@ def baselines(tasks: list[str], overrides: list[str] = (), firsts: tuple[int, ..
             cells.append(predict(train, val))
         print(f"| {task} | {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
     for task in byte_tasks:  # the recipe's optimiser and budget on its model without blocks
-        recipe = load_recipe(ROOT / RECIPES[task], list(overrides))
+        # an override of another recipe's task (tasks.<other>.…) is that recipe's
+        own = [o for o in overrides if not o.startswith("tasks.") or o.startswith(f"tasks.{task}.")]
+        recipe = load_recipe(ROOT / RECIPES[task], own)
         (cfg,) = recipe.tasks.values()
         root = resolve_root(str(cfg.data.root))
         meta = read_meta(root)
         train, val = (
-            _sequences(root, meta, split, cfg.data.max_len)
+            _sequences(root, meta, split, cfg.data.max_len, cfg.data.pairs)
             for split in (cfg.data.train_split, cfg.data.val_split)
         )
         acc = trained_bag(train, val, recipe)
@@ -245,13 +247,16 @@ def baselines(tasks: list[str], overrides: list[str] = (), firsts: tuple[int, ..
         )
 
 
-def _sequences(root: Path, meta: dict, split: str, max_len: int | None) -> list[tuple[list[np.ndarray], int]]:
-    """Each stored sequence as its passages — two for a pair stored as "A, separator, B" (LRA's
-    Retrieval), one otherwise — each cut to its first ``max_len`` ids, and its label."""
+def _sequences(
+    root: Path, meta: dict, split: str, max_len: int | None, pairs: bool = False
+) -> list[tuple[list[np.ndarray], int]]:
+    """Each stored sequence as its passages — with ``pairs`` (``data.pairs``: LRA's Retrieval read by two
+    towers) the two of "A, separator, B", else the whole sequence — each cut to its first ``max_len``
+    ids, and its label."""
     from mmformer.data.sequence_format import read_split
 
     tokens, offsets, labels = read_split(root, split, meta)
-    separator = meta.get("separator")
+    separator = meta.get("separator") if pairs else None
     out = []
     for a, b, label in zip(offsets[:-1], offsets[1:], labels):
         ids = tokens[a:b]
@@ -264,38 +269,34 @@ def _sequences(root: Path, meta: dict, split: str, max_len: int | None) -> list[
 def trained_bag(train: list, val: list, recipe) -> float:
     """Validation accuracy of the recipe's model without its blocks and positions — a bag of ids: the
     mean of each passage's token embeddings (the recipe's tokenizer's ``embed``, as initialised there),
-    read by the recipe's own head (Text: LayerNorm and linear; Retrieval: the two-tower pair head,
-    LayerNorm of each passage's mean, ``[u, v, u·v, u−v]`` and its MLP) — trained with the recipe's
-    optimiser (AdamW, ``lr``, ``weight_decay`` on matrices only as ``mmformer.training.optim
-    .param_groups`` splits them, linear warmup then cosine to 0), batch size, step count, gradient
-    clipping and seed; batches drawn epoch by epoch from a seeded permutation. ``train`` / ``val``:
-    ``(passages, label)`` as ``_sequences`` reads them. What the recipe's budget teaches a model that
-    can only count ids: the transformer's blocks can represent it (mean pooling over the residual
-    stream)."""
+    read by the recipe's own head with mean pooling (Text: LayerNorm and linear; Retrieval: the two-tower
+    pair head, LayerNorm of each passage's mean, ``[u, v, u·v, u−v]`` and its MLP) — trained with the
+    recipe's optimiser and schedule (``build_optimizer``: its parameter groups, weight decay on matrices
+    only; ``build_scheduler``), batch size, step count, gradient clipping and seed; batches drawn epoch by
+    epoch from a seeded permutation. ``train`` / ``val``: ``(passages, label)`` as ``_sequences`` reads
+    them. What the recipe's budget teaches a model that can only count ids: the transformer's blocks can
+    represent it (mean pooling over the residual stream). Raises ``ValueError`` for a head that reads a
+    class token (``pool: cls``), which a bag has not."""
     import torch
     from torch import nn
 
     from mmformer.build.model import build_model
     from mmformer.nn.tokens import Tokens
-    from mmformer.training.optim import param_groups
+    from mmformer.training.optim import build_optimizer, build_scheduler
 
     (cfg,) = recipe.tasks.values()
+    if recipe.model.heads[cfg.head].pool != "mean":
+        raise ValueError(f"the bag of ids has no class token: model.heads.{cfg.head}.pool must be mean")
     torch.manual_seed(recipe.seed)
     built = build_model(recipe)
+    tokenizer = built.tokenizers[cfg.tokenizer]
+    prefix = getattr(tokenizer, "num_prefix_tokens", 0)  # rows the head's mean pooling skips
     bag = nn.Module()
-    bag.embed = nn.EmbeddingBag.from_pretrained(
-        built.tokenizers[cfg.tokenizer].embed.weight, False, mode="mean"
-    )
+    bag.embed = nn.EmbeddingBag.from_pretrained(tokenizer.embed.weight.detach().clone(), False, mode="mean")
     bag.head = built.heads[cfg.head]
-    o, steps, warmup = recipe.optim, recipe.trainer.max_steps, recipe.optim.warmup_steps
-    opt = torch.optim.AdamW(param_groups(bag, o.weight_decay), lr=o.lr)
-
-    def lr_factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    steps = recipe.trainer.max_steps
+    opt = build_optimizer(bag, recipe.optim)
+    sched = build_scheduler(opt, recipe.optim, steps)
 
     def logits(batch: list) -> torch.Tensor:
         # the first passages of the batch, then the second ones (the pair head's 2B rows), one token each
@@ -304,7 +305,8 @@ def trained_bag(train: list, val: list, recipe) -> float:
         ]
         offsets = torch.tensor([0, *(len(x) for x in ids[:-1])]).cumsum(0)
         means = bag.embed(torch.cat(ids), offsets)[:, None]  # (rows, 1, D)
-        return bag.head(means, Tokens.from_embeddings(means, 0))
+        hidden = torch.cat([means.new_zeros(len(ids), prefix, means.shape[-1]), means], dim=1)
+        return bag.head(hidden, Tokens.from_embeddings(hidden, 0))
 
     g = torch.Generator().manual_seed(recipe.seed)
     order: list[int] = []
@@ -320,6 +322,7 @@ def trained_bag(train: list, val: list, recipe) -> float:
             nn.utils.clip_grad_norm_(bag.parameters(), recipe.trainer.gradient_clip_val)
         opt.step()
         sched.step()
+    bag.eval()  # the head's dropout, if any, off
     with torch.no_grad():
         predicted = torch.cat([logits(val[i : i + 64]).argmax(-1) for i in range(0, len(val), 64)])
     return (predicted == torch.tensor([y for _, y in val])).float().mean().item()

@@ -308,7 +308,7 @@ def test_aft_position_biases_must_cover_an_audio_tokenizers_longest_clip(tmp_pat
 def test_aft_position_biases_must_cover_a_dits_patches_and_the_captions_a_tower_reads():
     """DiT: 28-pixel images in 4-pixel patches → 49 tokens (no class token); CLIP's captions of
     ``data.max_len: 24`` read alone by a caption tower, from a manifest or from shards (each trained a
-    step at exactly enough in the CLI)."""
+    step at exactly enough in the CLI), or ``num_latents`` of a resampler before it."""
     root = Path(__file__).resolve().parents[1] / "recipes"
     dit, clip = root / "diffusion" / "dit_classcond_mnist5k.yaml", root / "multimodal" / "clip_emoji.yaml"
     load_recipe(dit, ["model.backbone.attn_kernel=aft_full", "model.backbone.kernel_options={max_len: 49}"])
@@ -329,4 +329,18 @@ def test_aft_position_biases_must_cover_a_dits_patches_and_the_captions_a_tower_
             load_recipe(clip, [*data, tower(23)])
         assert str(e.value).startswith(
             "'model.towers.caption.kernel_options.max_len' is 23, but 'tasks.emoji.data.max_len' gives 24 tokens"
+        )
+    # a resampler hands the tower num_latents tokens, however long the captions
+    resampled = "model.resamplers={caption: {num_latents: 8, n_layers: 1, n_heads: 4}}"
+    load_recipe(clip, [tower(8), resampled])
+    with pytest.raises(RecipeError, match="but 'model.resamplers.caption.num_latents' gives 8 tokens"):
+        load_recipe(clip, [tower(7), resampled])
+    # a text-conditional DiT pools its captions' embeddings (no backbone reads them): any caption length
+    aft = ["model.backbone.attn_kernel=aft_full", "model.backbone.kernel_options={max_len: 64}"]
+    load_recipe(root / "diffusion" / "dit_textcond_emoji.yaml", [*aft, "tasks.emoji.data.max_len=80"])
+    # a task that refuses the kernel outright says so first, not what its tokenizer would need of it
+    with pytest.raises(RecipeError, match="aft_full does not implement cache, documents, spans masks"):
+        load_recipe(
+            root / "generation" / "transfusion_emoji.yaml",
+            [*aft[:1], "model.backbone.kernel_options={max_len: 23}"],
         )

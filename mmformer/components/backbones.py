@@ -249,7 +249,11 @@ def require_position_biases(recipe, tokenizer: str, n_tokens: int, why: str) -> 
     """Refuses a backbone whose kernel holds learned position biases (AFT-full, AFT-local:
     ``kernel_options.max_len``) for fewer than the ``n_tokens`` tokens per sequence that tokenizer
     ``tokenizer``'s data gives (``why`` says where that number comes from), at load rather than at the
-    first step. The backbone is the tokenizer's tower, else the shared one."""
+    first step. The backbone is the tokenizer's tower, else the shared one; a Perceiver resampler after
+    the tokenizer (``model.resamplers``) hands it ``num_latents`` tokens instead."""
+    resampler = recipe.model.resamplers.get(tokenizer)
+    if resampler is not None:
+        n_tokens, why = resampler.num_latents, f"'model.resamplers.{tokenizer}.num_latents'"
     backbone = recipe.model.towers.get(tokenizer, recipe.model.backbone)
     where = f"model.towers.{tokenizer}" if tokenizer in recipe.model.towers else "model.backbone"
     kernel = getattr(backbone, "attn_kernel", None)

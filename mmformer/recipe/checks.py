@@ -70,9 +70,11 @@ def check_recipe(recipe) -> None:
     parts = [
         ("model.backbone", m.backbone),
         *((f"model.towers.{n}", c) for n, c in m.towers.items()),
-        *((f"model.tokenizers.{n}", c) for n, c in m.tokenizers.items()),
         *((f"model.heads.{n}", c) for n, c in m.heads.items()),
         *((f"tasks.{n}", c) for n, c in recipe.tasks.items()),
+        # after the tasks: what a task refuses outright (a kernel without its mask rules) is said before
+        # what a tokenizer would need of the same kernel (AFT's position biases)
+        *((f"model.tokenizers.{n}", c) for n, c in m.tokenizers.items()),
         *((f"tasks.{n}.data", c.data) for n, c in recipe.tasks.items()),
     ]
     for where, cfg in parts:

@@ -34,6 +34,11 @@ def test_passages_split_a_pair_at_its_separator(tmp_path):
     pair, single = lra._passages(tmp_path, read_meta(tmp_path), "train", words)
     assert pair == ([words(b"In the beginning"), words(b"Jesus wept")], 1)
     assert single == ([words(b"Amen")], 0)
+    meta = read_meta(tmp_path)
+    (a1, b1), _ = lra._sequences(tmp_path, meta, "train", max_len=5, pairs=True)[0]
+    assert a1.tolist() == a[:5] and b1.tolist() == b[:5]  # each passage cut to max_len
+    (whole,), _ = lra._sequences(tmp_path, meta, "train", max_len=None)[0]  # read as one sequence
+    assert whole.tolist() == [*a, 256, *b]
 
 
 def test_naive_bayes_uses_counts_and_the_prior():
@@ -88,6 +93,17 @@ def test_trained_bag_learns_which_bytes_a_class_uses_and_ignores_their_order():
     )
     assert lra.trained_bag(train, val, recipe) == 1.0
     assert lra.trained_bag(train, [([x[::-1]], y) for (x,), y in val], recipe) == 1.0
+    # with a class token, which the bag has not: mean pooling skips its (empty) row
+    with_cls = load_recipe(
+        lra.ROOT / lra.RECIPES["text"],
+        [
+            "trainer.max_steps=60",
+            "optim.warmup_steps=5",
+            "optim.lr=1e-2",
+            "model.tokenizers.bytes.class_token=true",
+        ],
+    )
+    assert lra.trained_bag(train, val, with_cls) == 1.0
 
 
 def test_trained_bag_reads_pairs_with_the_recipes_two_tower_head():

@@ -79,11 +79,13 @@ class AudioCaptionDataConfig(LoaderConfig):
 
 def require_caption_biases(recipe, task, max_len: int, where: str) -> None:
     """Refuses an AFT kernel (``kernel_options.max_len``) with position biases for fewer than the
-    ``max_len`` caption tokens of ``where`` in the backbone that reads the captions alone (a contrastive
-    text tower, a text-conditional DiT's caption encoder); the tasks that join captions to other tokens
-    in one sequence (prefix-LM spans, seq2seq cross-attention, KV-cache decoding) are refused AFT by their
-    mask rules already."""
-    require_position_biases(recipe, task.caption_tokenizer, max_len, f"'{where}.max_len'")
+    ``max_len`` caption tokens of ``where`` in the backbone that reads a task's captions alone (a
+    contrastive task's text side: ``captions_alone``). A text-conditional DiT pools the captions'
+    embeddings and a VQ task ignores them (no backbone reads them); the tasks that join captions to other
+    tokens in one sequence (prefix-LM spans, seq2seq cross-attention, KV-cache decoding) are refused AFT
+    by their mask rules."""
+    if getattr(task, "captions_alone", False):
+        require_position_biases(recipe, task.caption_tokenizer, max_len, f"'{where}.max_len'")
 
 
 @register("dataset", "image_caption", ImageCaptionDataConfig)

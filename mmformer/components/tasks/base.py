@@ -31,6 +31,10 @@ class CaptionedTaskParts(TaskConfigParts):
     """A task reading inputs (``tokenizer``) and their captions (``caption_tokenizer``, text)."""
 
     shards: ClassVar[str | None] = "captions"
+    # the captions run alone through a backbone (their tower, or the shared one): a contrastive task's
+    # text side. Others pool their embeddings (diffusion), ignore them (vq), or join them to other
+    # tokens in one sequence (prefix_lm, seq2seq, chameleon, transfusion)
+    captions_alone: ClassVar[bool] = False
 
     def tokenizer_refs(self) -> dict[str, str]:
         return {"tokenizer": self.tokenizer, "caption_tokenizer": self.caption_tokenizer}

@@ -26,6 +26,7 @@ class ContrastiveTaskConfig(CaptionedTaskParts):
     held-out retrieval recall and zero-shot classification (``mmformer.tasks.contrastive``)."""
 
     zero_shot: ClassVar[bool] = True  # reads data.label_key's class prompts
+    captions_alone: ClassVar[bool] = True  # the text side: captions (and prompts) through a backbone
     kind: str = "contrastive"
     weight: float = 1.0
     tokenizer: str = MISSING  # image (or audio) tokenizer
