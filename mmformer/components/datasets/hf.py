@@ -10,11 +10,9 @@ from types import SimpleNamespace
 from ...data.hf_datasets import FIELDS, hf_data
 from ...errors import did_you_mean, positive
 from ...registry import register
-from ..backbones import require_position_biases
 from ..context import BuildContext
 from .base import LoaderConfig
-from .captions import require_caption_biases
-from .shards import shard_decoders, shard_reader
+from .shards import require_sample_biases, shard_decoders, shard_reader
 
 
 @dataclass
@@ -45,11 +43,7 @@ class HFDatasetConfig(LoaderConfig):
                 )
 
     def check(self, recipe, where: str) -> None:
-        task = shard_reader(recipe, where, "hf_dataset data")
-        if task.shards == "text":  # one document of seq_len tokens per row
-            require_position_biases(recipe, task.tokenizer, self.seq_len, f"'{where}.seq_len'")
-        if task.shards == "captions":
-            require_caption_biases(recipe, task, self.max_len, where)
+        require_sample_biases(recipe, shard_reader(recipe, where, "hf_dataset data"), self, where)
 
 
 @register("dataset", "hf_dataset", HFDatasetConfig)

@@ -41,6 +41,15 @@ def shard_reader(recipe, where: str, what: str):
     return task
 
 
+def require_sample_biases(recipe, task, cfg, where: str) -> None:
+    """AFT's position biases against the tokens of shard-style samples (``shards``, ``hf_dataset``):
+    documents of ``seq_len`` tokens (or packed windows), captions of ``max_len``."""
+    if task.shards == "text":
+        require_position_biases(recipe, task.tokenizer, cfg.seq_len, f"'{where}.seq_len'")
+    if task.shards == "captions":
+        require_caption_biases(recipe, task, cfg.max_len, where)
+
+
 @dataclass
 class ShardsDataConfig:
     """``tasks.<name>.data`` of kind ``shards``: WebDataset tar shards — written by ``mmformer data shard``
@@ -95,10 +104,7 @@ class ShardsDataConfig:
             raise RecipeError(
                 f"'{where}.pack' packs text shards for causal_lm / masked_lm, not a {task.kind} task: remove it"
             )
-        if task.shards == "text":  # one document or packed window of seq_len tokens per row
-            require_position_biases(recipe, task.tokenizer, self.seq_len, f"'{where}.seq_len'")
-        if task.shards == "captions":
-            require_caption_biases(recipe, task, self.max_len, where)
+        require_sample_biases(recipe, task, self, where)
         if self.label_key and not task.zero_shot:
             raise RecipeError(
                 f"'{where}.label_key' (zero-shot classes) applies to image_caption shards of a contrastive task"
