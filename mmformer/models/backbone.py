@@ -273,9 +273,10 @@ class Backbone(nn.Module):
             if span is not None:  # a span never reaches back into cached tokens
                 span = torch.cat([span.new_zeros(span.shape[0], past), span], dim=1)
         bigbird = self.long_context.bigbird
-        layout = None  # one block pattern over the whole (cached + new) sequence
+        layout = None  # a block pattern per layer and head over the whole (cached + new) sequence
         if bigbird is not None:
-            layout = bigbird.layout(valid.shape[1], self.causal).to(valid.device)
+            layout = bigbird.layer_layouts(valid.shape[1], self.causal, self.n_heads, self.n_layers)
+            layout = layout.to(valid.device)
         mask = MaskSpec.from_tokens(
             valid,
             document,

@@ -17,9 +17,11 @@ impossible value. A recipe's flat ``model.backbone`` section is mapped onto them
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from ..nn.attention import KERNELS, SDPA_BACKENDS
@@ -149,7 +151,8 @@ class PositionConfig:
 class BigBirdConfig:
     """BigBird block-sparse attention (Zaheer et al. 2020, §2 and App. D, "ITC"): blocks of ``block``
     tokens read a band of ``window`` blocks on each side, the ``global_blocks`` leading blocks (which
-    read and are read by every block) and ``random_blocks`` other blocks, drawn with a fixed seed."""
+    read and are read by every block) and ``random_blocks`` other blocks, drawn with a fixed seed for
+    each head (a backbone's layers share the heads' draws; BigBird's code draws per layer too)."""
 
     block: int
     window: int = 1
@@ -162,12 +165,23 @@ class BigBirdConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"BigBirdConfig.{name} must be >= 0, got {getattr(self, name)}")
 
-    def layout(self, n_tokens: int, causal: bool = False) -> Tensor:
+    def layout(
+        self, n_tokens: int, causal: bool = False, n_heads: int | None = None, seed: int = 0
+    ) -> Tensor:
         """The ``(n_blocks, n_blocks)`` bool block layout (True = query block may read key block) over
         ``n_tokens`` tokens, the last block possibly partial (``mmformer.nn.masks.bigbird_layout``;
-        ``causal``: random blocks among earlier ones only, the same rows at every length)."""
+        ``causal``: random blocks among earlier ones only, the same rows at every length); ``n_heads``:
+        ``(n_heads, n_blocks, n_blocks)``, random blocks drawn for each head, as BigBird draws them;
+        ``seed``: the draws' seed (a backbone gives each layer its index, as BigBird's encoder does)."""
         n_blocks = math.ceil(n_tokens / self.block)
-        return bigbird_layout(n_blocks, self.window, self.global_blocks, self.random_blocks, causal=causal)
+        return bigbird_layout(
+            n_blocks, self.window, self.global_blocks, self.random_blocks, seed, causal, n_heads
+        )
+
+    def layer_layouts(self, n_tokens: int, causal: bool, n_heads: int, n_layers: int) -> Tensor:
+        """``(n_layers, n_heads, n_blocks, n_blocks)``: each layer's layout (``layout(…, seed=layer)``).
+        Cached per shape (a forward reads it every step): read-only."""
+        return _layer_layouts(self, math.ceil(n_tokens / self.block), causal, n_heads, n_layers)
 
 
 @dataclass(frozen=True)
@@ -228,3 +242,13 @@ class BlockConfig:
             )
         if self.ff_chunks > 1 and not self.reversible:
             raise ValueError("ff_chunks chunks the feed-forward of reversible layers: set reversible=True")
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_layouts(cfg: BigBirdConfig, n_blocks: int, causal: bool, n_heads: int, n_layers: int) -> Tensor:
+    return torch.stack(
+        [
+            bigbird_layout(n_blocks, cfg.window, cfg.global_blocks, cfg.random_blocks, i, causal, n_heads)
+            for i in range(n_layers)
+        ]
+    )

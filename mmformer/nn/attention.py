@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .block_sparse import block_sparse_attention, gathers
 from .kernels import KERNEL_CLASSES, build_kernel, softmax_flops
 from .kv_cache import KVCache
 from .linear_attention import favor_attention, favor_flops, orthogonal_features
@@ -61,11 +62,14 @@ class KernelMask:
         kernels: the kernels it holds forms for (``eager``, ``sdpa``, ``flex``; ``performer`` needs none).
         bias: ``(B, H, Nq, Nk)`` float32 additive score bias (ALiBi plus a learned relative bias), or
             None: eager / sdpa (flex adds it as a score modification instead).
-        dense: ``(B or 1, 1, Nq, Nk)`` bool, True = may attend, or None when no kernel needs it: eager
-            (whenever the mask hides anything), sdpa (unless it takes the ``is_causal`` fast path).
-        empty_rows: ``(B or 1, 1, Nq, 1)`` bool, the fully masked query rows of ``dense`` (whose output is
-            zeroed), or None when there are none (known on CPU) or no dense mask.
+        dense: ``(B or 1, H or 1, Nq, Nk)`` bool, True = may attend, or None when no kernel needs it: eager
+            (whenever the mask hides anything), sdpa (unless it takes the ``is_causal`` fast path or
+            computes the mask block-sparse).
+        empty_rows: ``(B or 1, H or 1, Nq, 1)`` bool, the fully masked query rows of ``dense`` (whose output
+            is zeroed), or None when there are none (known on CPU) or no dense mask.
         block_mask: the FlexAttention ``BlockMask`` (flex), or None.
+        block_sparse: sdpa computes this mask's block layout by gathering the key blocks each query block
+            reads (``nn.block_sparse``: BigBird's cost, linear in length), not under a dense mask.
     """
 
     n_q: int
@@ -75,6 +79,7 @@ class KernelMask:
     dense: Tensor | None = None
     empty_rows: Tensor | None = field(default=None, repr=False)
     block_mask: object | None = field(default=None, repr=False)
+    block_sparse: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,9 @@ class AttentionInputs:
             and ``(B, Nq, Nk)`` long (or None).
         q_pos: ``(B, Nq)`` query positions (ALiBi, relative bias); k_pos: ``(B, Nk)`` key positions.
         kernel_mask, context_kernel_mask: ``mask`` / ``context_mask`` in the forms the layers' kernels
-            read (``prepared``), or None: a layer then builds what it needs for its own call only.
+            read (``prepared``), or None: a layer then builds what it needs for its own call only. One
+            ``KernelMask`` per layer (a tuple) when ``mask`` has a layout for each (``MaskSpec.per_layer``);
+            a layer reads its own through ``for_layer``.
     """
 
     mask: MaskSpec = field(default_factory=MaskSpec)
@@ -102,7 +109,7 @@ class AttentionInputs:
     rel_buckets: Tensor | None = None
     q_pos: Tensor | None = None
     k_pos: Tensor | None = None
-    kernel_mask: KernelMask | None = None
+    kernel_mask: KernelMask | tuple[KernelMask, ...] | None = None
     context_kernel_mask: KernelMask | None = None
 
     def prepared(
@@ -118,11 +125,26 @@ class AttentionInputs:
         """These inputs with ``kernel_mask`` built for self-attention kernels ``kernels`` over ``n_q``
         queries and ``n_k`` keys, and ``context_kernel_mask`` for cross-attention kernels
         ``context_kernels`` over ``n_context`` context tokens (when any)."""
-        own = _kernel_mask(self.mask, self, kernels, n_q, n_k, batch_size, device)
+        if self.mask.per_layer:
+            layers = range(self.mask.sparse_layout.shape[0])
+            own = tuple(
+                _kernel_mask(self.mask.for_layer(i), self, kernels, n_q, n_k, batch_size, device)
+                for i in layers
+            )
+        else:
+            own = _kernel_mask(self.mask, self, kernels, n_q, n_k, batch_size, device)
         ctx = None
         if context_kernels:
             ctx = _kernel_mask(self.context_mask, None, context_kernels, n_q, n_context, batch_size, device)
         return replace(self, kernel_mask=own, context_kernel_mask=ctx)
+
+    def for_layer(self, layer: int) -> AttentionInputs:
+        """What layer ``layer`` reads: its own block layout and prepared masks where ``mask`` has one
+        layout per layer (``MaskSpec.per_layer``); else these inputs."""
+        if not self.mask.per_layer:
+            return self
+        own = self.kernel_mask[layer] if isinstance(self.kernel_mask, tuple) else None
+        return replace(self, mask=self.mask.for_layer(layer), kernel_mask=own)
 
     def rows_attend_alike(self) -> bool:
         """Every query row reads the same keys with the same scores' rule (at most padding hidden, no
@@ -164,8 +186,9 @@ def _kernel_mask(
     bias = _score_bias(biased) if biased is not None else None
     mask = _decoding_mask(mask, n_k)
     fast_causal = mask.is_causal_only and n_q == n_k and bias is None
+    block_sparse = "sdpa" in kernels and bias is None and gathers(mask, n_q, n_k)
     dense, empty_rows = None, None
-    if not mask.is_full and ("eager" in kernels or not fast_causal):
+    if not mask.is_full and ("eager" in kernels or not (fast_causal or block_sparse)):
         dense = mask.dense(n_q, n_k, device)
         empty_rows = ~dense.any(dim=-1, keepdim=True)
         if (
@@ -174,7 +197,7 @@ def _kernel_mask(
             and not bool(empty_rows.any())
         ):
             empty_rows = None  # no query row is fully masked (the usual case): nothing to zero in any layer
-    return KernelMask(n_q, n_k, kernels, bias, dense, empty_rows, block_mask)
+    return KernelMask(n_q, n_k, kernels, bias, dense, empty_rows, block_mask, block_sparse)
 
 
 def _zero_padding(k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -366,6 +389,8 @@ class Attention(nn.Module):
         ``inputs``: mask, RoPE angles, ALiBi and relative bias for this forward (or just a ``MaskSpec``),
         only read; with ``kernel_mask`` prepared for this kernel and shape, the mask is not rebuilt.
         ``context (B, Nk, D_ctx)``: the cross-attention source.
+        ``layer``: this layer's index in its backbone: its KV cache entry, and its block layout where
+        ``inputs`` has one per layer (``AttentionInputs.for_layer``).
         ``cache``: self-attention appends this forward's keys/values to ``layer``'s cache and attends
         over all of them; cross-attention projects ``context`` once, at the first call for ``layer``,
         and reuses those keys/values afterwards (``cache.cross``; the context must not change).
@@ -378,6 +403,7 @@ class Attention(nn.Module):
         """
         if inputs is None or isinstance(inputs, MaskSpec):  # a bare mask is enough for most uses
             inputs = AttentionInputs(mask=inputs or MaskSpec())
+        inputs = inputs.for_layer(layer)  # this layer's block layout, when each layer has its own
         if rows is not None:
             self._check_rows(x, inputs, context, cache)
         if self.cross:
@@ -468,6 +494,10 @@ class Attention(nn.Module):
                 raise ValueError("the flex kernel has no attention dropout; use sdpa or eager")
             return flex_attention(q, k, v, prepared.block_mask, self._score_mod(inputs))
         bias, dense, empty_rows = prepared.bias, prepared.dense, prepared.empty_rows
+        if kernel == "sdpa" and prepared.block_sparse:  # BigBird's blocks gathered: linear in length
+            if self.n_kv_heads != self.n_heads:
+                k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+            return block_sparse_attention(q, k, v, mask, dropout_p)
         if kernel == "eager":
             if self.n_kv_heads != self.n_heads:  # GQA: each group of H / Hkv query heads shares a kv head
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))

@@ -25,7 +25,7 @@ Shape legend: B batch, Nq queries, Nk keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -54,7 +54,9 @@ class MaskSpec:
         window: optional sliding-window size in tokens (>= 1).
         q_offset: position of the first query among the keys (KV-cache decoding).
         sparse_layout: optional ``(Nq blocks, Nk blocks)`` bool, which key blocks each query block may
-            read (BigBird, ``bigbird_layout``), in blocks of ``sparse_block`` tokens.
+            read (BigBird, ``bigbird_layout``), in blocks of ``sparse_block`` tokens; ``(H, Nq blocks,
+            Nk blocks)`` for a layout of each head (``bigbird_layout(n_heads=H)``); ``(L, H, Nq blocks,
+            Nk blocks)`` for one of each layer too, which ``for_layer`` picks before the rule is read.
 
     Raises ``TypeError`` when ``valid`` or ``sparse_layout`` is not bool (``require_bool``).
     """
@@ -149,10 +151,25 @@ class MaskSpec:
                 return t.shape[0]
         return None
 
-    def allows(self, b: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    @property
+    def n_layout_heads(self) -> int:
+        """Heads with a layout of their own: ``H`` for a per-head ``sparse_layout``, else 1."""
+        layout = self.sparse_layout
+        return layout.shape[-3] if layout is not None and layout.dim() >= 3 else 1
+
+    @property
+    def per_layer(self) -> bool:
+        """The ``sparse_layout`` holds one layout per layer (``(L, H, nb, nb)``): see ``for_layer``."""
+        return self.sparse_layout is not None and self.sparse_layout.dim() == 4
+
+    def for_layer(self, layer: int) -> MaskSpec:
+        """The rule of layer ``layer``: its own layout from a per-layer ``sparse_layout``; else this rule."""
+        return replace(self, sparse_layout=self.sparse_layout[layer]) if self.per_layer else self
+
+    def allows(self, b: Tensor, q: Tensor, k: Tensor, h: Tensor | None = None) -> Tensor:
         """The rule itself: bool, broadcast over the batch index ``b``, query index ``q`` (0-based among
-        the queries) and key index ``k``. Works on index grids (dense) and on FlexAttention's 0-d
-        indices (``mask_mod``)."""
+        the queries), key index ``k`` and head index ``h`` (read only by a per-head ``sparse_layout``;
+        None: head 0). Works on index grids (dense) and on FlexAttention's 0-d indices (``mask_mod``)."""
         qpos = q + self.q_offset
         ok = torch.ones((), dtype=torch.bool, device=q.device)
         if self.causal:
@@ -170,32 +187,42 @@ class MaskSpec:
         if self.document is not None:
             ok = ok & (self.document[b, qpos] == self.document[b, k])
         if self.sparse_layout is not None:
-            ok = ok & self.sparse_layout[qpos // self.sparse_block, k // self.sparse_block]
+            blocks = (qpos // self.sparse_block, k // self.sparse_block)
+            if self.per_layer:
+                raise ValueError("a per-layer sparse_layout: take MaskSpec.for_layer(layer) first")
+            if self.sparse_layout.dim() == 3:
+                if h is None:
+                    raise ValueError("a per-head sparse_layout needs the head index h")
+                blocks = (h, *blocks)
+            ok = ok & self.sparse_layout[blocks]
         return ok
 
     def dense(self, n_q: int, n_k: int | None = None, device: torch.device | None = None) -> Tensor:
-        """The mask as a dense bool tensor ``(B or 1, 1, Nq, Nk)``, True = may attend."""
+        """The mask as a dense bool tensor ``(B or 1, H or 1, Nq, Nk)``, True = may attend (``H`` heads
+        for a per-head ``sparse_layout``)."""
         n_k = n_q if n_k is None else n_k
-        ref = next((t for t in (self.valid, self.document, self.span) if t is not None), None)
+        ref = next(
+            (t for t in (self.valid, self.document, self.span, self.sparse_layout) if t is not None), None
+        )
         device = ref.device if ref is not None else device
-        B = self.batch_size or 1
-        b = torch.arange(B, device=device).view(B, 1, 1)
-        q = torch.arange(n_q, device=device).view(1, n_q, 1)
-        k = torch.arange(n_k, device=device).view(1, 1, n_k)
-        return self.allows(b, q, k).expand(B, n_q, n_k).unsqueeze(1)
+        B, H = self.batch_size or 1, self.n_layout_heads
+        b = torch.arange(B, device=device).view(B, 1, 1, 1)
+        h = torch.arange(H, device=device).view(1, H, 1, 1)
+        q = torch.arange(n_q, device=device).view(1, 1, n_q, 1)
+        k = torch.arange(n_k, device=device).view(1, 1, 1, n_k)
+        return self.allows(b, q, k, h).expand(B, H, n_q, n_k)
 
     def block_mask(self, batch_size: int, n_q: int, n_k: int, device: torch.device):
         """The mask as a FlexAttention ``BlockMask`` (no dense ``Nq × Nk`` tensor is kept)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return self.allows(b, q_idx, kv_idx)
+            return self.allows(b, q_idx, kv_idx, h)
 
         B = self.batch_size or batch_size
+        H = self.n_layout_heads if self.n_layout_heads > 1 else None  # None: one mask for every head
         # compiled construction on accelerators avoids materialising the dense Nq × Nk mask
-        return create_block_mask(
-            mask_mod, B, None, n_q, n_k, device=str(device), _compile=device.type == "cuda"
-        )
+        return create_block_mask(mask_mod, B, H, n_q, n_k, device=str(device), _compile=device.type == "cuda")
 
 
 def bigbird_layout(
@@ -205,27 +232,34 @@ def bigbird_layout(
     random_blocks: int = 1,
     seed: int = 0,
     causal: bool = False,
+    n_heads: int | None = None,
 ) -> Tensor:
     """BigBird's block-sparse pattern (Zaheer et al. 2020, §2 and App. D, "ITC"): ``(n_blocks, n_blocks)``
     bool, True where query block ``i`` may read key block ``j``: a band of ``window`` blocks on each
     side, ``global_blocks`` leading blocks that read and are read by every block, and ``random_blocks``
     other key blocks per query block drawn with ``seed``. Attention cost grows linearly with length.
 
+    ``n_heads``: ``(n_heads, n_blocks, n_blocks)``, each head with random blocks of its own, as BigBird's
+    code draws them (``bigbird_block_rand_mask_with_head`` in google-research/bigbird, one draw per head);
+    the band and global blocks are every head's. None: one layout, ``(n_blocks, n_blocks)``.
+
     ``causal``: the random blocks are drawn among earlier blocks only, so each row's pattern does not
     depend on how many blocks follow it — a causal model computes the same function on a prefix as on
     the whole sequence (training and KV-cache decoding agree at every length). Without it the draws
     range over every block, as BigBird's bidirectional encoder does, and depend on ``n_blocks``."""
     i = torch.arange(n_blocks)
-    layout = (i[:, None] - i[None, :]).abs() <= window
-    layout[:global_blocks, :] = True
-    layout[:, :global_blocks] = True
+    band = (i[:, None] - i[None, :]).abs() <= window
+    band[:global_blocks, :] = True
+    band[:, :global_blocks] = True
+    layout = band.expand(n_heads or 1, n_blocks, n_blocks).clone()
     g = torch.Generator().manual_seed(seed)
-    for row in range(global_blocks, n_blocks):
-        free = (~layout[row, : row if causal else n_blocks]).nonzero().flatten()
-        if len(free):
-            pick = free[torch.randperm(len(free), generator=g)[:random_blocks]]
-            layout[row, pick] = True
-    return layout
+    for row in range(global_blocks, n_blocks):  # rows outer: a causal row's draws never depend on later rows
+        for head in layout:
+            free = (~head[row, : row if causal else n_blocks]).nonzero().flatten()
+            if len(free):
+                pick = free[torch.randperm(len(free), generator=g)[:random_blocks]]
+                head[row, pick] = True
+    return layout if n_heads is not None else layout[0]
 
 
 def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:

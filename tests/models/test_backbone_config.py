@@ -265,7 +265,10 @@ def test_kernel_options_and_bigbird_settings_reach_the_kernel():
         assert (block.attn.performer_features, block.attn.sdpa_backend) == (48, "math")
     inputs = backbone.attention_inputs(_tokens(), None, None, None)
     assert inputs.mask.window == 4 and inputs.mask.sparse_block == 3
-    assert torch.equal(inputs.mask.sparse_layout, bigbird_layout(4, 0, 2, 0))  # ceil(10 / 3) blocks
+    layouts = inputs.mask.sparse_layout  # each layer's, each head's: ceil(10 / 3) blocks
+    assert layouts.shape == (2, 4, 4, 4)
+    for i in range(2):
+        assert torch.equal(layouts[i], bigbird_layout(4, 0, 2, 0, seed=i, n_heads=4))
     with pytest.raises(ValueError, match="performer kernel"):  # FAVOR+ cannot take the sparse mask
         backbone(_tokens())
     backbone = build_backbone(32, 1, A(4, kernel="performer", performer_features=48))

@@ -1,12 +1,15 @@
-"""BigBird block-sparse attention: the layout has its band, global and random blocks; eager, sdpa
-(dense mask) and flex (block mask) kernels agree on it; a backbone with it trains and decodes."""
+"""BigBird block-sparse attention: the layout has its band, global and random blocks, drawn for each head
+and layer; eager (dense mask), sdpa (the key blocks gathered, or a dense mask where gathering saves
+nothing) and flex (block mask) agree on it, values and gradients; a backbone with it trains and decodes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mmformer.models import AttentionConfig, BigBirdConfig, LongContextConfig, PositionConfig, build_backbone
 from mmformer.nn.attention import Attention, AttentionInputs
+from mmformer.nn.block_sparse import block_sparse_attention, gathers
 from mmformer.nn.masks import MaskSpec, bigbird_layout
 from mmformer.nn.tokens import Tokens
 
@@ -106,3 +109,112 @@ def test_a_bigbird_backbone_trains_and_decodes_like_recomputation():
     )
     out = encoder(Tokens.from_embeddings(torch.randn(1, 10, 32), 0))
     assert out.shape == (1, 10, 32)
+
+
+def test_each_head_draws_its_own_random_blocks_around_the_same_band_and_globals():
+    heads = bigbird_layout(16, window=1, global_blocks=1, random_blocks=2, seed=4, n_heads=4)
+    assert heads.shape == (4, 16, 16)
+    for head in heads:
+        assert head[:1].all() and head[:, :1].all()
+        for i in range(1, 16):
+            band = {j for j in range(max(0, i - 1), min(16, i + 2))} | {0}
+            assert set(head[i].nonzero().flatten().tolist()) >= band
+            assert int(head[i].sum()) == len(band) + 2  # two random blocks of its own
+    assert len({tuple(h.flatten().tolist()) for h in heads}) == 4  # the heads' draws differ
+    assert torch.equal(heads, bigbird_layout(16, 1, 1, 2, seed=4, n_heads=4))  # seeded
+    causal = bigbird_layout(16, 1, 1, 2, seed=4, causal=True, n_heads=4)
+    for n in (5, 11):  # every head keeps the prefix property
+        assert torch.equal(bigbird_layout(n, 1, 1, 2, seed=4, causal=True, n_heads=4), causal[:, :n, :n])
+
+
+def _masks(N: int, block: int, heads: int | None) -> dict[str, MaskSpec]:
+    """Every rule a block layout combines with, over ``N`` tokens of 2 rows (the second padded)."""
+    nb = -(-N // block)
+    valid = torch.arange(N)[None].expand(2, N) < torch.tensor([[N], [N - 13]])
+    document = (torch.arange(N)[None].expand(2, N) >= torch.tensor([[N], [N // 3]])).long()
+    span = torch.zeros(2, N, dtype=torch.long)
+    span[:, 3:11] = 1
+    layout = bigbird_layout(nb, 1, 1, 1, seed=2, n_heads=heads)
+    causal_layout = bigbird_layout(nb, 1, 1, 1, seed=2, causal=True, n_heads=heads)
+    kw = dict(sparse_layout=layout, sparse_block=block)
+    return {
+        "layout": MaskSpec(**kw),
+        "padding": MaskSpec(valid=valid, **kw),
+        "causal + spans": MaskSpec(
+            causal=True, valid=valid, span=span, sparse_layout=causal_layout, sparse_block=block
+        ),
+        "documents + window": MaskSpec(valid=valid, document=document, window=9, **kw),
+    }
+
+
+@pytest.mark.parametrize("heads", [None, 4])
+@pytest.mark.parametrize("N", [96, 91])  # whole blocks, and a partial last block
+def test_gathered_blocks_equal_attention_under_the_dense_mask(heads, N):
+    g = torch.Generator().manual_seed(0)
+    for name, mask in _masks(N, 8, heads).items():
+        assert gathers(mask, N, N), name
+        q, k, v = (torch.randn(2, 4, N, 16, generator=g, requires_grad=True) for _ in range(3))
+        dense = mask.dense(N)
+        want = torch.softmax((q @ k.transpose(-1, -2) / 4).masked_fill(~dense, float("-inf")), -1)
+        want = (want.nan_to_num(0.0) @ v) * dense.any(-1, keepdim=True)  # fully masked rows: zeros
+        got = block_sparse_attention(q, k, v, mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+        w = torch.randn(got.shape, generator=g)
+        for a, b in zip(
+            torch.autograd.grad((got * w).sum(), (q, k, v)), torch.autograd.grad((want * w).sum(), (q, k, v))
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_sdpa_gathers_the_blocks_without_a_dense_mask_and_agrees_with_eager_and_flex():
+    torch.manual_seed(0)
+    attn = Attention(32, 4, n_kv_heads=2).eval()  # grouped keys and values too
+    x = torch.randn(2, 75, 32)
+    mask = _masks(75, 8, 4)["padding"]
+    outs = {}
+    for kernel in ("eager", "sdpa", "flex"):
+        attn.kernel = kernel
+        inputs = AttentionInputs(mask=mask).prepared({kernel}, 75, 75, 2, x.device)
+        if kernel == "sdpa":  # the memory BigBird saves: no (B, H, N, N) mask is built
+            assert inputs.kernel_mask.block_sparse and inputs.kernel_mask.dense is None
+        with torch.no_grad():
+            outs[kernel] = attn(x, inputs)
+    torch.testing.assert_close(outs["sdpa"], outs["eager"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["flex"], outs["eager"], rtol=1e-4, atol=1e-4)
+
+
+def test_short_sequences_and_cached_queries_keep_the_dense_mask():
+    layout = bigbird_layout(4, 1, 1, 1)  # every row reads 3 or 4 of 4 blocks: gathering saves nothing
+    assert not gathers(MaskSpec(sparse_layout=layout, sparse_block=8), 32, 32)
+    long = MaskSpec(sparse_layout=bigbird_layout(16, 1, 1, 1), sparse_block=8)
+    assert gathers(long, 128, 128)
+    assert not gathers(long, 1, 128)  # one query decoded against a KV cache
+    with pytest.raises(ValueError, match="Nq == Nk"):
+        block_sparse_attention(
+            *(torch.randn(1, 1, 128, 8) for _ in range(2)), torch.randn(1, 1, 120, 8), long
+        )
+    with pytest.raises(ValueError, match="does not cover 100 tokens"):
+        block_sparse_attention(*(torch.randn(1, 1, 100, 8) for _ in range(3)), long)
+
+
+def test_each_layer_reads_its_own_layout_and_the_kernels_agree_through_a_backbone():
+    torch.manual_seed(0)
+    bigbird = BigBirdConfig(block=4, window=1, global_blocks=1, random_blocks=1)
+    backbone = build_backbone(32, 3, AttentionConfig(4), long_context=LongContextConfig(bigbird=bigbird))
+    tokens = Tokens.from_embeddings(
+        torch.randn(2, 64, 32), 0, valid=torch.arange(64)[None] < torch.tensor([[64], [50]])
+    )
+    layouts = backbone.attention_inputs(tokens, None, None, None).mask.sparse_layout
+    assert layouts.shape == (3, 4, 16, 16)
+    assert not torch.equal(layouts[0], layouts[1]) and not torch.equal(layouts[1], layouts[2])
+    x = tokens.x.clone().requires_grad_()
+    outs, grads = {}, {}
+    for kernel in ("eager", "sdpa"):
+        for block in backbone.blocks:
+            block.attn.kernel = kernel
+        out = backbone(Tokens.from_embeddings(x, 0, valid=tokens.valid))
+        outs[kernel], grads[kernel] = out, torch.autograd.grad(out.square().sum(), x)[0]
+    torch.testing.assert_close(outs["sdpa"], outs["eager"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads["sdpa"], grads["eager"], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="for_layer"):  # the rule of no layer in particular
+        MaskSpec(sparse_layout=layouts, sparse_block=4).dense(64)

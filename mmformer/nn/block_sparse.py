@@ -1,0 +1,140 @@
+"""Block-sparse softmax attention: only the key blocks a layout lets each query block read are gathered
+and scored, so BigBird's cost is linear in length on any device (Zaheer et al. 2020, §2 and App. D; the
+gather formulation of ``bigbird_block_sparse_attention`` in google-research/bigbird, which gathers each
+query block's random key blocks per head).
+
+The layout is a ``MaskSpec``'s ``sparse_layout``: ``(nb, nb)`` or ``(H, nb, nb)`` bool over blocks of
+``sparse_block`` tokens (``masks.bigbird_layout``). Query blocks that read every key block in every head
+(BigBird's global rows) attend to all keys at once; the others gather their ``C`` key blocks — ``C`` the
+most any of them reads, shorter rows padded with masked slots — and attend to ``C × block`` keys. Inside
+the gathered blocks the mask's token rules still apply (padding, causal order and spans, documents, a
+window), evaluated by the same ``MaskSpec.allows`` the dense and flex masks are built from, so the result
+equals softmax attention under the dense mask (``tests/nn/test_block_sparse.py``). Fully masked query
+rows return zeros, as every kernel's.
+
+Shape legend: B batch, H heads, N tokens, Dh head width, nb blocks, R query blocks gathered, C key blocks
+per gathered row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .masks import MaskSpec
+
+
+def gathers(mask: MaskSpec, n_q: int, n_k: int) -> bool:
+    """Whether ``block_sparse_attention`` computes ``mask`` for ``n_q`` queries and ``n_k`` keys: a
+    ``sparse_layout`` over the whole sequence (queries = keys, no KV-cache offset) whose gathered rows read
+    at most half of the key blocks — below that a dense mask costs no more. One host read of the layout
+    (``(H, nb, nb)`` bools)."""
+    layout = mask.sparse_layout
+    if layout is None or mask.q_offset or n_q != n_k:
+        return False
+    counts = _as_heads(layout).sum(-1)  # (Hl, nb)
+    full = (counts == layout.shape[-1]).all(0)  # (nb,) rows every head reads whole
+    return bool((~full).any()) and 2 * int(counts[:, ~full].max()) <= layout.shape[-1]
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, dropout_p: float = 0.0) -> Tensor:
+    """Softmax attention of ``q, k, v (B, H, N, Dh)`` under ``mask`` (which must have a ``sparse_layout``,
+    ``q_offset`` 0 and as many queries as keys) → ``(B, H, N, Dh)``, computing only the key blocks the
+    layout allows. ``dropout_p``: dropout on the attention weights. Scores are scaled by ``Dh ** -0.5``.
+
+    Raises ``ValueError`` for a mask without a layout, a KV-cache offset, or ``N`` other than the layout's
+    ``nb`` blocks cover (``ceil(N / sparse_block) == nb``)."""
+    layout, block = mask.sparse_layout, mask.sparse_block
+    B, H, N, Dh = q.shape
+    if layout is None or mask.q_offset or k.shape[2] != N or v.shape[2] != N:
+        raise ValueError("block_sparse_attention needs a sparse_layout, no KV-cache offset and Nq == Nk")
+    nb = layout.shape[-1]
+    if -(-N // block) != nb:
+        raise ValueError(f"a layout of {nb} blocks of {block} tokens does not cover {N} tokens")
+    layout = _as_heads(layout).to(q.device)  # (Hl, nb, nb)
+    pad = nb * block - N
+    if pad:  # a partial last block: padded keys are masked below, padded queries dropped at the end
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    qb, kb, vb = (t.reshape(B, H, nb, block, Dh) for t in (q, k, v))
+    rule = replace(mask, sparse_layout=None, sparse_block=0)  # the token rules; blocks come from the gather
+    full = (layout.sum(-1) == nb).all(0)  # (nb,)
+    out = q.new_zeros(B, H, nb, block, Dh)
+    dense_rows, sparse_rows = full.nonzero().flatten(), (~full).nonzero().flatten()
+    if len(dense_rows):
+        out = out.index_copy(2, dense_rows, _all_keys(qb, k, v, dense_rows, rule, N, dropout_p))
+    if len(sparse_rows):
+        out = out.index_copy(2, sparse_rows, _gathered(qb, kb, vb, layout, sparse_rows, rule, N, dropout_p))
+    return out.reshape(B, H, nb * block, Dh)[:, :, :N]
+
+
+def _as_heads(layout: Tensor) -> Tensor:
+    return layout if layout.dim() == 3 else layout[None]
+
+
+def _all_keys(
+    qb: Tensor, k: Tensor, v: Tensor, rows: Tensor, rule: MaskSpec, n: int, dropout_p: float
+) -> Tensor:
+    """Query blocks ``rows`` against every key: ``(B, H, len(rows), block, Dh)``."""
+    B, H, _, block, Dh = qb.shape
+    qr = qb[:, :, rows].reshape(B, H, -1, Dh)  # (B, H, G·block, Dh)
+    q_idx = (rows[:, None] * block + torch.arange(block, device=rows.device)).flatten()  # (G·block,)
+    k_idx = torch.arange(k.shape[2], device=rows.device)
+    allowed = _allowed(rule, q_idx[:, None], k_idx[None, :], None, n).unsqueeze(1)  # (B or 1, 1, G·block, Np)
+    scores = qr @ k.transpose(-1, -2) * Dh**-0.5
+    return _softmax_weighted(scores, allowed, v, dropout_p).reshape(B, H, len(rows), block, Dh)
+
+
+def _gathered(
+    qb: Tensor, kb: Tensor, vb: Tensor, layout: Tensor, rows: Tensor, rule: MaskSpec, n: int, dropout_p: float
+) -> Tensor:
+    """Query blocks ``rows`` against the key blocks ``layout`` lets them read: ``(B, H, R, block, Dh)``."""
+    B, H, _, block, Dh = qb.shape
+    Hl = layout.shape[0]
+    reads = layout[:, rows]  # (Hl, R, nb)
+    C = int(reads.sum(-1).max())
+    # each row's readable blocks first (a stable sort keeps them in order), then masked filler slots
+    cols = torch.argsort((~reads).to(torch.uint8), dim=-1, stable=True)[..., :C]  # (Hl, R, C)
+    slot = torch.gather(reads, -1, cols)  # (Hl, R, C): a readable block, not filler
+    if Hl == 1:
+        kg, vg = kb[:, :, cols[0]], vb[:, :, cols[0]]  # (B, H, R, C, block, Dh)
+    else:
+        heads = torch.arange(H, device=cols.device)[:, None, None]
+        kg, vg = kb[:, heads, cols], vb[:, heads, cols]
+    scores = torch.einsum("bhrqd,bhrckd->bhrqck", qb[:, :, rows], kg) * Dh**-0.5  # (B, H, R, block, C, block)
+    offs = torch.arange(block, device=rows.device)
+    q_idx = (rows[:, None] * block + offs)[None, :, :, None, None]  # (1, R, block, 1, 1)
+    k_idx = (cols[..., None] * block + offs)[:, :, None]  # (Hl, R, 1, C, block)
+    allowed = _allowed(rule, q_idx, k_idx, slot[:, :, None, :, None], n)  # (B or 1, Hl, R, block, C, block)
+    R = len(rows)
+    out = _softmax_weighted(
+        scores.reshape(B, H, R, block, C * block),
+        allowed.reshape(*allowed.shape[:4], C * block),
+        vg.reshape(B, H, R, C * block, Dh),
+        dropout_p,
+    )
+    return out  # (B, H, R, block, Dh)
+
+
+def _allowed(rule: MaskSpec, q_idx: Tensor, k_idx: Tensor, slot: Tensor | None, n: int) -> Tensor:
+    """``rule`` on query / key token indices (broadcast; keys past ``n`` — a partial last block's padding —
+    never read), ``slot`` (a gathered block's slots that are real, or None), with a leading batch axis
+    ``(B or 1, …)``."""
+    B = rule.batch_size or 1
+    b = torch.arange(B, device=q_idx.device).view(B, *[1] * max(q_idx.dim(), k_idx.dim()))
+    ok = rule.allows(b, q_idx.clamp(max=n - 1), k_idx.clamp(max=n - 1)) & (k_idx < n)
+    if slot is not None:
+        ok = ok & slot
+    return ok if ok.dim() > k_idx.dim() else ok.unsqueeze(0)
+
+
+def _softmax_weighted(scores: Tensor, allowed: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """``softmax(scores)`` over the last axis where ``allowed`` (rows with nothing allowed → 0), times ``v``."""
+    scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+    weights = torch.softmax(scores, dim=-1)
+    weights = weights.masked_fill(~allowed.any(-1, keepdim=True), 0.0).to(v.dtype)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, dropout_p)
+    return weights @ v
