@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..nn.attention import Attention
+from ..nn.block_sparse import layout_pairs
 from ..nn.kernels import SOFTMAX_KERNELS
 from ..nn.reversible import stored_activations
 from .backbone import Backbone
@@ -34,7 +35,10 @@ class FlopMeter:
       context token) plus attention as its kernel computes it (``Attention.attention_flops``, causal
       as the backbone is, cross-attention never): for the softmax kernels ``4 · B · H · N · N_k ·
       head_dim`` (scores and the weighted sum, full ``N × N_k`` as the kernels compute it, causal or not;
-      ``N_k = N`` plus cached tokens), for the Performer, LSH, AFT and RFA the products they run
+      ``N_k = N`` plus cached tokens) — with BigBird the query-key pairs its layouts read instead of
+      ``N × N_k``, each layer's, averaged over heads (``block_sparse.layout_pairs``; the gathering sdpa
+      also scores the masked filler of rows that read fewer blocks than others, uncounted) — for the
+      Performer, LSH, AFT and RFA the products they run
       (``AttentionKernel.flops``); a last block that computed only the rows a head reads
       (``Backbone.rows_computed``) is counted for those rows past its keys and values;
     - every other ``nn.Linear`` and convolution (tokenizers, heads, towers' outside) from its input shape.
@@ -87,17 +91,30 @@ class FlopMeter:
         B, N, n_k, n_ctx = self._pending.pop(id(backbone))
         rows = backbone.rows_computed  # the rows the last block computed alone (a class token), if any
         last = len(backbone.blocks) - 1
+        bigbird = backbone.long_context.bigbird
+        layouts = None  # BigBird: each layer's attention reads the blocks of its own layout
+        if bigbird is not None:
+            layouts = bigbird.layer_layouts(n_k, backbone.causal, backbone.n_heads, len(backbone.blocks))
         for i, block in enumerate(backbone.blocks):
             n_rows = len(range(N)[rows]) if rows is not None and i == last else N
-            self.flops += _block_flops(block, B, N, n_rows, n_k, n_ctx, backbone.causal)
+            pairs = layout_pairs(layouts[i], bigbird.block, N, n_k) if layouts is not None else None
+            self.flops += _block_flops(block, B, N, n_rows, n_k, n_ctx, backbone.causal, pairs)
 
 
 def _block_flops(
-    block: nn.Module, B: int, N: int, n_rows: int, n_k: int, n_ctx: int, causal: bool = False
+    block: nn.Module,
+    B: int,
+    N: int,
+    n_rows: int,
+    n_k: int,
+    n_ctx: int,
+    causal: bool = False,
+    pairs: float | None = None,
 ) -> int:
     """One block over ``N`` tokens of which ``n_rows`` are computed past the self-attention's keys and
     values (``Backbone.forward(rows=…)``; else ``N``), against ``n_k`` keys and ``n_ctx`` context tokens;
-    ``causal``: the self-attention's mask (cross-attention's never is)."""
+    ``causal``: the self-attention's mask (cross-attention's never is); ``pairs``: the query-key pairs
+    per head a BigBird layout lets the self-attention read (``Attention.attention_flops``)."""
     flops = 0
     for name, m in block.named_modules():
         parts = name.split(".")  # a LoRA-wrapped product: attn.qkv.base, attn.qkv.lora_A, …
@@ -105,7 +122,10 @@ def _block_flops(
             flops += 2 * B * N * m.out_channels * (m.in_channels // m.groups * m.kernel_size[0])
         elif isinstance(m, Attention):
             cross = "cross" in name
-            flops += m.attention_flops(B, n_rows, n_ctx if cross else n_k, causal and not cross)
+            if cross:
+                flops += m.attention_flops(B, n_rows, n_ctx, False)
+            else:
+                flops += m.attention_flops(B, n_rows, n_k, causal, pairs)
         elif not isinstance(m, nn.Linear):
             continue
         elif "adaLN" in name:

@@ -544,18 +544,25 @@ class Attention(nn.Module):
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
         return favor_attention(q, k, v, features, mask.causal, mask.valid)
 
-    def attention_flops(self, batch: int, n_queries: int, n_keys: int, causal: bool) -> int:
+    def attention_flops(
+        self, batch: int, n_queries: int, n_keys: int, causal: bool, pairs: float | None = None
+    ) -> int:
         """Forward FLOPs of this layer's kernel for ``batch`` sequences of ``n_queries`` queries against
         ``n_keys`` keys (causal or not), between the projections: matmuls only, 1 FLOP = a multiply or
         an add, as ``FlopCounterMode`` counts them (``AttentionKernel.flops``). A registered kernel counts
         its own (``kernel_module.flops``); the Performer its FAVOR+ products (``favor_flops``:
         ``performer_features`` features per head); the softmax kernels ``4 · B · H · Nq · Nk · Dh``
-        (``softmax_flops``, the full ``Nq × Nk`` as eager computes it, causal or not)."""
+        (``softmax_flops``, the full ``Nq × Nk`` as eager computes it, causal or not), or with
+        ``pairs`` — the query-key pairs per head a BigBird layout reads (``block_sparse.layout_pairs``) —
+        ``4 · B · H · pairs · Dh``: the model's block-sparse attention, what the gathering sdpa and
+        flex compute (eager and a dense mask compute all ``Nq × Nk`` of it)."""
         if self.kernel in KERNEL_CLASSES:
             return self.kernel_module.flops(batch, n_queries, n_keys, causal)
         H, Dh = self.n_heads, self.head_dim
         if self.kernel == "performer":
             return favor_flops(batch, H, n_queries, n_keys, Dh, self.performer_features, causal)
+        if pairs is not None:
+            return round(4 * batch * H * pairs * Dh)
         return softmax_flops(batch, H, n_queries, n_keys, Dh)
 
     def _score_mod(self, inputs: AttentionInputs):

@@ -70,6 +70,19 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, drop
     return out.reshape(B, H, nb * block, Dh)[:, :, :N]
 
 
+def layout_pairs(layout: Tensor, block: int, n_q: int, n_k: int) -> float:
+    """Query-key token pairs per head that a block ``layout`` (``(nb, nb)`` or ``(H, nb, nb)``, blocks of
+    ``block`` tokens over ``n_k`` keys, the last block possibly partial) lets the last ``n_q`` of them
+    read, averaged over heads: what a block-sparse kernel scores, in place of ``n_q × n_k``
+    (``Attention.attention_flops``)."""
+    layout = _as_heads(layout).float()
+    nb = layout.shape[-1]
+    ends = torch.arange(1, nb + 1) * block
+    k_sizes = (ends.clamp(max=n_k) - (ends - block)).clamp(min=0).float()  # (nb,) keys per block
+    q_sizes = (ends.clamp(max=n_k) - (ends - block).clamp(min=n_k - n_q)).clamp(min=0).float()  # queries
+    return float((layout.cpu() * q_sizes[:, None] * k_sizes[None, :]).sum((-1, -2)).mean())
+
+
 def _as_heads(layout: Tensor) -> Tensor:
     return layout if layout.dim() == 3 else layout[None]
 
