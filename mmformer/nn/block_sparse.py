@@ -9,8 +9,10 @@ The layout is a ``MaskSpec``'s ``sparse_layout``: ``(nb, nb)`` or ``(H, nb, nb)`
 most any of them reads, shorter rows padded with masked slots — and attend to ``C × block`` keys. Inside
 the gathered blocks the mask's token rules still apply (padding, causal order and spans, documents, a
 window), evaluated by the same ``MaskSpec.allows`` the dense and flex masks are built from, so the result
-equals softmax attention under the dense mask (``tests/nn/test_block_sparse.py``). Fully masked query
-rows return zeros, as every kernel's.
+equals softmax attention under the dense mask (``tests/nn/test_block_sparse.py``). Each group of rows is
+attended by ``F.scaled_dot_product_attention`` with a mask over only its gathered keys (a fused kernel:
+the weights are never stored for the backward), and memory is that of the gathered keys, values and
+their mask: ``O(N · C · block)``. Fully masked query rows return zeros, as every kernel's.
 
 Shape legend: B batch, H heads, N tokens, Dh head width, nb blocks, R query blocks gathered, C key blocks
 per gathered row.
@@ -96,39 +98,33 @@ def _all_keys(
     q_idx = (rows[:, None] * block + torch.arange(block, device=rows.device)).flatten()  # (G·block,)
     k_idx = torch.arange(k.shape[2], device=rows.device)
     allowed = _allowed(rule, q_idx[:, None], k_idx[None, :], None, n).unsqueeze(1)  # (B or 1, 1, G·block, Np)
-    scores = qr @ k.transpose(-1, -2) * Dh**-0.5
-    return _softmax_weighted(scores, allowed, v, dropout_p).reshape(B, H, len(rows), block, Dh)
+    return _attend(qr, k, v, allowed, dropout_p).reshape(B, H, len(rows), block, Dh)
 
 
 def _gathered(
     qb: Tensor, kb: Tensor, vb: Tensor, layout: Tensor, rows: Tensor, rule: MaskSpec, n: int, dropout_p: float
 ) -> Tensor:
     """Query blocks ``rows`` against the key blocks ``layout`` lets them read: ``(B, H, R, block, Dh)``."""
-    B, H, _, block, Dh = qb.shape
-    Hl = layout.shape[0]
+    B, H, nb, block, Dh = qb.shape
+    R = len(rows)
     reads = layout[:, rows]  # (Hl, R, nb)
     C = int(reads.sum(-1).max())
     # each row's readable blocks first (a stable sort keeps them in order), then masked filler slots
     cols = torch.argsort((~reads).to(torch.uint8), dim=-1, stable=True)[..., :C]  # (Hl, R, C)
     slot = torch.gather(reads, -1, cols)  # (Hl, R, C): a readable block, not filler
-    if Hl == 1:
-        kg, vg = kb[:, :, cols[0]], vb[:, :, cols[0]]  # (B, H, R, C, block, Dh)
-    else:
-        heads = torch.arange(H, device=cols.device)[:, None, None]
-        kg, vg = kb[:, heads, cols], vb[:, heads, cols]
-    scores = torch.einsum("bhrqd,bhrckd->bhrqck", qb[:, :, rows], kg) * Dh**-0.5  # (B, H, R, block, C, block)
+    # one index_select over (head, block) pairs gathers every head's blocks (its backward an index_add)
+    flat = (torch.arange(H, device=cols.device)[:, None, None] * nb + cols).flatten()  # (H·R·C,)
+    kg, vg = (
+        t.reshape(B, H * nb, block * Dh).index_select(1, flat).view(B, H * R, C * block, Dh) for t in (kb, vb)
+    )
     offs = torch.arange(block, device=rows.device)
     q_idx = (rows[:, None] * block + offs)[None, :, :, None, None]  # (1, R, block, 1, 1)
     k_idx = (cols[..., None] * block + offs)[:, :, None]  # (Hl, R, 1, C, block)
-    allowed = _allowed(rule, q_idx, k_idx, slot[:, :, None, :, None], n)  # (B or 1, Hl, R, block, C, block)
-    R = len(rows)
-    out = _softmax_weighted(
-        scores.reshape(B, H, R, block, C * block),
-        allowed.reshape(*allowed.shape[:4], C * block),
-        vg.reshape(B, H, R, C * block, Dh),
-        dropout_p,
-    )
-    return out  # (B, H, R, block, Dh)
+    allowed = _allowed(rule, q_idx, k_idx, slot[:, :, None, :, None], n)  # (B|1, Hl, R, block|1, C, block)
+    Bm, _, _, bq = allowed.shape[:4]  # bq = 1: no rule depends on the query (sdpa broadcasts the row)
+    allowed = allowed.expand(Bm, H, R, bq, C, block).reshape(Bm, H * R, bq, C * block)
+    out = _attend(qb[:, :, rows].reshape(B, H * R, block, Dh), kg, vg, allowed, dropout_p)
+    return out.view(B, H, R, block, Dh)
 
 
 def _allowed(rule: MaskSpec, q_idx: Tensor, k_idx: Tensor, slot: Tensor | None, n: int) -> Tensor:
@@ -143,11 +139,9 @@ def _allowed(rule: MaskSpec, q_idx: Tensor, k_idx: Tensor, slot: Tensor | None, 
     return ok if ok.dim() > k_idx.dim() else ok.unsqueeze(0)
 
 
-def _softmax_weighted(scores: Tensor, allowed: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """``softmax(scores)`` over the last axis where ``allowed`` (rows with nothing allowed → 0), times ``v``."""
-    scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
-    weights = torch.softmax(scores, dim=-1)
-    weights = weights.masked_fill(~allowed.any(-1, keepdim=True), 0.0).to(v.dtype)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, dropout_p)
-    return weights @ v
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, dropout_p: float) -> Tensor:
+    """Softmax attention of ``q (B, …, Lq, Dh)`` over ``k, v (B, …, Lk, Dh)`` where ``allowed`` (broadcast
+    to ``(B, …, Lq, Lk)``) — sdpa's fused kernel, which never stores the weights — with fully masked
+    rows set to 0."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+    return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
