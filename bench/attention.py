@@ -11,8 +11,11 @@ approximate kernels against exact softmax attention.
 registered kernels (``mmformer.nn.kernels``: ``lsh``, ``aft_*``, ``rfa`` …) with options that fit the length
 (``bench_options``: ``aft_full``/``aft_local`` ``max_len = N``, ``aft_local`` window 64, ``lsh`` chunks of 64
 and ``n_buckets ≈ 2N/64``, ``rfa`` ``features/2`` frequencies = the Performer's ``features`` features);
-``--option KERNEL.KEY=VALUE`` overrides one. Attention is causal; a kernel without a causal rule runs
-bidirectional and is compared with eager and sdpa run bidirectional too.
+``--option KERNEL.KEY=VALUE`` overrides one. Two sparse masks run as kernels too, on sdpa: ``window``
+(sliding window, ``window`` 128 tokens: a dense mask on CPU) and ``bigbird`` (BigBird's block layout per
+head, ``block`` 64, ``window`` / ``global`` / ``random`` 1 block each: sdpa gathers the key blocks,
+``mmformer.nn.block_sparse``). Attention is causal; a kernel without a causal rule runs bidirectional and
+is compared with eager and sdpa run bidirectional too.
 
 Each (kernel, N) runs in its own process so peak memory is that kernel's alone: on CPU the process's max RSS
 (``peak MB``, which includes ~500 MB of interpreter and torch) and its rise during the steps over what was
@@ -42,13 +45,20 @@ import time
 
 import torch
 
+SPARSE_MASKS = {  # masks benchmarked as kernels: sdpa under them, with these options
+    "window": {"window": 128},
+    "bigbird": {"block": 64, "window": 1, "global": 1, "random": 1},
+}
+
 
 def bench_options(kernel: str, n: int, features: int, overrides: dict | None = None) -> dict:
     """Options for registered ``kernel`` at length ``n``: the bench's defaults for the options it requires or
     that scale with ``n`` (those the kernel's ``__init__`` takes), then ``overrides`` (all of them: a name the
-    kernel does not take is refused when the layer is built)."""
+    kernel does not take is refused when the layer is built). A sparse mask's (``SPARSE_MASKS``) likewise."""
     from mmformer.nn.kernels import KERNEL_CLASSES
 
+    if kernel in SPARSE_MASKS:
+        return {**SPARSE_MASKS[kernel], **(overrides or {})}
     cls = KERNEL_CLASSES.get(kernel)
     if cls is None:  # eager, sdpa, flex, performer, auto: no options
         return {}
@@ -65,6 +75,8 @@ def bench_options(kernel: str, n: int, features: int, overrides: dict | None = N
 def supports_causal(kernel: str) -> bool:
     from mmformer.nn.kernels import kernel_rules
 
+    if kernel in SPARSE_MASKS:
+        return True
     return "causal" in kernel_rules(kernel)
 
 
@@ -81,14 +93,27 @@ def measure(
     options: dict | None = None,
 ) -> dict:
     from mmformer.nn import Attention, MaskSpec
+    from mmformer.nn.masks import bigbird_layout
 
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
+    mask = MaskSpec(causal=causal)
+    if kernel == "window":
+        mask = MaskSpec(causal=causal, window=options["window"])
+    elif kernel == "bigbird":
+        o = options
+        layout = bigbird_layout(-(-n // o["block"]), o["window"], o["global"], o["random"], 0, causal, heads)
+        mask = MaskSpec(causal=causal, sparse_layout=layout.to(device), sparse_block=o["block"])
+    layer_kernel = "sdpa" if kernel in SPARSE_MASKS else kernel
+    layer_options = None if kernel in SPARSE_MASKS else options
     attn = Attention(
-        heads * head_dim, heads, kernel=kernel, performer_features=features, kernel_options=options
+        heads * head_dim,
+        heads,
+        kernel=layer_kernel,
+        performer_features=features,
+        kernel_options=layer_options,
     ).to(device, dt)
     x = torch.randn(1, n, heads * head_dim, device=device, dtype=dt)
-    mask = MaskSpec(causal=causal)
     train = not (kernel == "flex" and device == "cpu")  # flex has no CPU backward
     x.requires_grad_(train)
 
@@ -169,7 +194,9 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch threads per measurement (default torch's)"
     )
     p.add_argument(
-        "--kernels", default="eager,sdpa,flex", help=f"comma-separated, or 'all': {', '.join(KERNELS)}"
+        "--kernels",
+        default="eager,sdpa,flex",
+        help=f"comma-separated, or 'all': {', '.join(KERNELS)}, {', '.join(SPARSE_MASKS)} (sdpa under the mask)",
     )
     p.add_argument("--features", type=int, default=256, help="performer / rfa: random features per head")
     p.add_argument(
@@ -191,10 +218,11 @@ def main() -> None:
         args = (a.device, dtype, a.heads, a.head_dim, a.repeats, a.features, spec["causal"], spec["options"])
         print(json.dumps(measure(a.one[0], int(a.one[1]), *args)))
         return
-    kernels = [k for k in KERNELS if k != "auto"] if a.kernels == "all" else a.kernels.split(",")
-    unknown = [k for k in kernels if k not in KERNELS]
+    names = [*KERNELS, *SPARSE_MASKS]
+    kernels = [k for k in names if k != "auto"] if a.kernels == "all" else a.kernels.split(",")
+    unknown = [k for k in kernels if k not in names]
     if unknown:
-        p.error(f"unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(KERNELS)} or 'all'")
+        p.error(f"unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(names)} or 'all'")
     overrides = parse_overrides(a.option)
     if a.lengths:
         lengths = [int(n) for n in a.lengths.split(",")]

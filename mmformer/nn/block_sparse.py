@@ -31,12 +31,12 @@ from .masks import MaskSpec
 
 def gathers(mask: MaskSpec, n_q: int, n_k: int) -> bool:
     """Whether ``block_sparse_attention`` computes ``mask`` for ``n_q`` queries and ``n_k`` keys: a
-    ``sparse_layout`` over the whole sequence (queries = keys, no KV-cache offset) whose gathered rows read
-    at most half of the key blocks — below that a dense mask costs no more. One host read of the layout
-    (``(H, nb, nb)`` bools)."""
+    ``sparse_layout`` of exactly the blocks the sequence fills (queries = keys, no KV-cache offset) whose
+    gathered rows read at most half of the key blocks — below that a dense mask costs no more. One host
+    read of the layout (``(H, nb, nb)`` bools)."""
     layout = mask.sparse_layout
-    if layout is None or mask.q_offset or n_q != n_k:
-        return False
+    if layout is None or mask.q_offset or n_q != n_k or -(-n_k // mask.sparse_block) != layout.shape[-1]:
+        return False  # (a layout over more blocks than the keys fill: the dense mask reads its corner)
     counts = _as_heads(layout).sum(-1)  # (Hl, nb)
     full = (counts == layout.shape[-1]).all(0)  # (nb,) rows every head reads whole
     return bool((~full).any()) and 2 * int(counts[:, ~full].max()) <= layout.shape[-1]

@@ -189,6 +189,7 @@ def test_short_sequences_and_cached_queries_keep_the_dense_mask():
     long = MaskSpec(sparse_layout=bigbird_layout(16, 1, 1, 1), sparse_block=8)
     assert gathers(long, 128, 128)
     assert not gathers(long, 1, 128)  # one query decoded against a KV cache
+    assert not gathers(long, 64, 64)  # a layout for more tokens: the dense mask reads its corner
     with pytest.raises(ValueError, match="Nq == Nk"):
         block_sparse_attention(
             *(torch.randn(1, 1, 128, 8) for _ in range(2)), torch.randn(1, 1, 120, 8), long
