@@ -344,3 +344,27 @@ def test_aft_position_biases_must_cover_a_dits_patches_and_the_captions_a_tower_
             root / "generation" / "transfusion_emoji.yaml",
             [*aft[:1], "model.backbone.kernel_options={max_len: 23}"],
         )
+
+
+def test_aft_position_biases_must_cover_maskgits_caption_prefix_and_codes():
+    """A text-conditional MaskGIT's backbone reads the caption prefix (``data.max_len: 24``) then the
+    codec's 8×8 grid of a 32-pixel image: 88 tokens. The grid is the codec's, so the check runs when the
+    tokenizer is built (``require_code_biases``); the class-conditional case is checked through the CLI in
+    ``tests/tasks/test_maskgit.py``."""
+    from mmformer.components.codes import require_code_biases
+    from mmformer.tokenizers.codes import MaskedCodeTokenizer
+    from mmformer.tokenizers.vq import VQVAE
+
+    recipe_path = Path(__file__).resolve().parents[1] / "recipes" / "generation" / "maskgit_emoji_minilm.yaml"
+    codes = MaskedCodeTokenizer(32, VQVAE(image_size=32, in_chans=3, channels=(8, 8)), None, 0.1, True)
+    assert codes.grid == (8, 8)
+    aft = "model.backbone.attn_kernel=aft_full"
+    require_code_biases(
+        load_recipe(recipe_path, [aft, "model.backbone.kernel_options={max_len: 88}"]), "image", codes
+    )
+    recipe = load_recipe(recipe_path, [aft, "model.backbone.kernel_options={max_len: 87}"])
+    with pytest.raises(RecipeError) as e:
+        require_code_biases(recipe, "image", codes)
+    assert "(its codec's 8×8 grid of codes after a caption prefix of up to 24) gives 88 tokens" in str(
+        e.value
+    )

@@ -15,6 +15,7 @@ from ..errors import RecipeError, positive, probability
 from ..models.heads import MLMHead
 from ..registry import register
 from ..tokenizers.codes import MaskedCodeTokenizer
+from .backbones import require_position_biases
 from .context import BuildContext
 from .heads import readers
 from .vq import load_frozen_codec
@@ -63,7 +64,27 @@ class CodesHeadConfig:
 @register("tokenizer", "vq_codes", VQCodesConfig)
 def build_vq_codes(cfg: VQCodesConfig, d_model: int, ctx: BuildContext, name: str) -> MaskedCodeTokenizer:
     codec = load_frozen_codec(cfg, name)
-    return MaskedCodeTokenizer(d_model, codec, cfg.num_classes, cfg.cond_dropout, cfg.text_conditional)
+    tokenizer = MaskedCodeTokenizer(d_model, codec, cfg.num_classes, cfg.cond_dropout, cfg.text_conditional)
+    if ctx.recipe is not None:  # the grid is the codec's: known once it is loaded, before any step
+        require_code_biases(ctx.recipe, name, tokenizer)
+    return tokenizer
+
+
+def require_code_biases(recipe, name: str, tokenizer: MaskedCodeTokenizer) -> None:
+    """Refuses an AFT kernel (``kernel_options.max_len``) with position biases for fewer tokens than the
+    backbone reads per sequence from tokenizer ``name``: the codec's grid of codes, after its class token
+    or after the longest caption prefix of a task reading captions with it (``data.max_len``)."""
+    captions = [
+        getattr(task.data, "max_len", 0)
+        for task in recipe.tasks.values()
+        if getattr(task, "tokenizer", None) == name and getattr(task, "caption_tokenizer", None) is not None
+    ]
+    prefix = max(captions, default=0) if tokenizer.null_text is not None else tokenizer.num_prefix_tokens
+    h, w = tokenizer.grid
+    what = f"its codec's {h}×{w} grid of codes"
+    what += f" after a caption prefix of up to {prefix}" if tokenizer.null_text is not None else ""
+    what += " and its class token" if tokenizer.num_prefix_tokens else ""
+    require_position_biases(recipe, name, tokenizer.num_codes + prefix, f"'model.tokenizers.{name}' ({what})")
 
 
 @register("head", "codes", CodesHeadConfig)

@@ -255,6 +255,10 @@ def test_trains_on_a_real_codec_writes_grids_and_samples_from_the_cli(workdir, c
     assert main(["train", str(workdir / "bad.yaml")]) == 2
     assert "codebook_size=16 (asked: 32)" in capsys.readouterr().err
     (workdir / "mg.yaml").write_text(RECIPE.format(vq=vq, root=root, K=16))
+    # AFT's position biases must cover the class token + the codec's 7×7 codes: refused before any step
+    aft = ["model.backbone.attn_kernel=aft_full", "model.backbone.kernel_options={max_len: 49}"]
+    assert main(["train", str(workdir / "mg.yaml"), *aft]) == 2
+    assert "gives 50 tokens per sequence" in capsys.readouterr().err
     assert main(["train", str(workdir / "mg.yaml")]) == 0
     out = capsys.readouterr().out
     assert "val/toy/loss_uncond" in out and "val/toy/acc" in out
