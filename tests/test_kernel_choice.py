@@ -368,3 +368,7 @@ def test_aft_position_biases_must_cover_maskgits_caption_prefix_and_codes():
     assert "(its codec's 8×8 grid of codes after a caption prefix of up to 24) gives 88 tokens" in str(
         e.value
     )
+    both = MaskedCodeTokenizer(32, VQVAE(image_size=32, in_chans=3, channels=(8, 8)), 10, 0.1, True)
+    recipe = load_recipe(recipe_path, [aft, "model.backbone.kernel_options={max_len: 88}"])
+    with pytest.raises(RecipeError, match="up to 24 and its class token\\) gives 89 tokens"):
+        require_code_biases(recipe, "image", both)  # the caption, the class token, then the codes

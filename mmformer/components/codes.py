@@ -73,18 +73,19 @@ def build_vq_codes(cfg: VQCodesConfig, d_model: int, ctx: BuildContext, name: st
 def require_code_biases(recipe, name: str, tokenizer: MaskedCodeTokenizer) -> None:
     """Refuses an AFT kernel (``kernel_options.max_len``) with position biases for fewer tokens than the
     backbone reads per sequence from tokenizer ``name``: the codec's grid of codes, after its class token
-    or after the longest caption prefix of a task reading captions with it (``data.max_len``)."""
+    and / or the longest caption prefix of a task reading captions with it (``data.max_len``)."""
     captions = [
         getattr(task.data, "max_len", 0)
         for task in recipe.tasks.values()
         if getattr(task, "tokenizer", None) == name and getattr(task, "caption_tokenizer", None) is not None
     ]
-    prefix = max(captions, default=0) if tokenizer.null_text is not None else tokenizer.num_prefix_tokens
+    caption = max(captions, default=0) if tokenizer.null_text is not None else 0
     h, w = tokenizer.grid
     what = f"its codec's {h}×{w} grid of codes"
-    what += f" after a caption prefix of up to {prefix}" if tokenizer.null_text is not None else ""
+    what += f" after a caption prefix of up to {caption}" if tokenizer.null_text is not None else ""
     what += " and its class token" if tokenizer.num_prefix_tokens else ""
-    require_position_biases(recipe, name, tokenizer.num_codes + prefix, f"'model.tokenizers.{name}' ({what})")
+    n_tokens = caption + tokenizer.num_prefix_tokens + tokenizer.num_codes
+    require_position_biases(recipe, name, n_tokens, f"'model.tokenizers.{name}' ({what})")
 
 
 @register("head", "codes", CodesHeadConfig)

@@ -275,8 +275,9 @@ class Backbone(nn.Module):
         bigbird = self.long_context.bigbird
         layout = None  # a block pattern per layer and head over the whole (cached + new) sequence
         if bigbird is not None:
-            layout = bigbird.layer_layouts(valid.shape[1], self.causal, self.n_heads, self.n_layers)
-            layout = layout.to(valid.device)
+            layout = bigbird.layer_layouts(
+                valid.shape[1], self.causal, self.n_heads, self.n_layers, valid.device
+            )
         mask = MaskSpec.from_tokens(
             valid,
             document,

@@ -152,7 +152,7 @@ class BigBirdConfig:
     """BigBird block-sparse attention (Zaheer et al. 2020, §2 and App. D, "ITC"): blocks of ``block``
     tokens read a band of ``window`` blocks on each side, the ``global_blocks`` leading blocks (which
     read and are read by every block) and ``random_blocks`` other blocks, drawn with a fixed seed for
-    each head (a backbone's layers share the heads' draws; BigBird's code draws per layer too)."""
+    each head and layer (``layer_layouts``: the layer's index is its seed, as in BigBird's encoder)."""
 
     block: int
     window: int = 1
@@ -178,10 +178,17 @@ class BigBirdConfig:
             n_blocks, self.window, self.global_blocks, self.random_blocks, seed, causal, n_heads
         )
 
-    def layer_layouts(self, n_tokens: int, causal: bool, n_heads: int, n_layers: int) -> Tensor:
-        """``(n_layers, n_heads, n_blocks, n_blocks)``: each layer's layout (``layout(…, seed=layer)``).
-        Cached per shape (a forward reads it every step): read-only."""
-        return _layer_layouts(self, math.ceil(n_tokens / self.block), causal, n_heads, n_layers)
+    def layer_layouts(
+        self, n_tokens: int, causal: bool, n_heads: int, n_layers: int, device: torch.device | None = None
+    ) -> Tensor:
+        """``(n_layers, n_heads, n_blocks, n_blocks)``: each layer's layout (``layout(…, seed=layer)``) on
+        ``device`` (default CPU). Cached per shape and device (a forward reads it every step): read-only.
+        A causal layout's rows never depend on later blocks, so one drawn for the next power of two of
+        blocks serves every shorter length (decoding grows the sequence a block at a time)."""
+        n_blocks = math.ceil(n_tokens / self.block)
+        drawn = 1 << (n_blocks - 1).bit_length() if causal else n_blocks
+        layouts = _layer_layouts(self, drawn, causal, n_heads, n_layers, torch.device(device or "cpu"))
+        return layouts[..., :n_blocks, :n_blocks]
 
 
 @dataclass(frozen=True)
@@ -245,10 +252,12 @@ class BlockConfig:
 
 
 @functools.lru_cache(maxsize=16)
-def _layer_layouts(cfg: BigBirdConfig, n_blocks: int, causal: bool, n_heads: int, n_layers: int) -> Tensor:
+def _layer_layouts(
+    cfg: BigBirdConfig, n_blocks: int, causal: bool, n_heads: int, n_layers: int, device: torch.device
+) -> Tensor:
     return torch.stack(
         [
             bigbird_layout(n_blocks, cfg.window, cfg.global_blocks, cfg.random_blocks, i, causal, n_heads)
             for i in range(n_layers)
         ]
-    )
+    ).to(device)

@@ -125,14 +125,15 @@ class AttentionInputs:
         """These inputs with ``kernel_mask`` built for self-attention kernels ``kernels`` over ``n_q``
         queries and ``n_k`` keys, and ``context_kernel_mask`` for cross-attention kernels
         ``context_kernels`` over ``n_context`` context tokens (when any)."""
-        if self.mask.per_layer:
+        bias = _score_bias(self) if set(kernels) & {"eager", "sdpa"} else None  # one for every layer
+        if self.mask.per_layer:  # each layer's own block layout: its own forms, the same bias
             layers = range(self.mask.sparse_layout.shape[0])
             own = tuple(
-                _kernel_mask(self.mask.for_layer(i), self, kernels, n_q, n_k, batch_size, device)
+                _kernel_mask(self.mask.for_layer(i), bias, kernels, n_q, n_k, batch_size, device)
                 for i in layers
             )
         else:
-            own = _kernel_mask(self.mask, self, kernels, n_q, n_k, batch_size, device)
+            own = _kernel_mask(self.mask, bias, kernels, n_q, n_k, batch_size, device)
         ctx = None
         if context_kernels:
             ctx = _kernel_mask(self.context_mask, None, context_kernels, n_q, n_context, batch_size, device)
@@ -170,20 +171,19 @@ def _score_bias(inputs: AttentionInputs) -> Tensor | None:
 
 def _kernel_mask(
     mask: MaskSpec,
-    biased: AttentionInputs | None,
+    bias: Tensor | None,
     kernels: set[str],
     n_q: int,
     n_k: int,
     batch_size: int,
     device: torch.device,
 ) -> KernelMask:
-    """``mask`` (and the score bias of ``biased``, when given) in the forms ``kernels`` read
+    """``mask`` (and the additive score ``bias``, ``_score_bias``, or None) in the forms ``kernels`` read
     (see ``KernelMask``)."""
     kernels = frozenset(kernels)
     block_mask = mask.block_mask(batch_size, n_q, n_k, device) if "flex" in kernels else None
     if not kernels & {"eager", "sdpa"}:
         return KernelMask(n_q, n_k, kernels, block_mask=block_mask)
-    bias = _score_bias(biased) if biased is not None else None
     mask = _decoding_mask(mask, n_k)
     fast_causal = mask.is_causal_only and n_q == n_k and bias is None
     block_sparse = "sdpa" in kernels and bias is None and gathers(mask, n_q, n_k)
@@ -488,7 +488,8 @@ class Attention(nn.Module):
         prepared = inputs.kernel_mask
         if prepared is None or kernel not in prepared.kernels or (prepared.n_q, prepared.n_k) != (Nq, Nk):
             # a layer used alone (not from a backbone's forward): build this call's forms itself
-            prepared = _kernel_mask(mask, inputs, {kernel}, Nq, Nk, q.shape[0], q.device)
+            bias = _score_bias(inputs) if kernel in ("eager", "sdpa") else None
+            prepared = _kernel_mask(mask, bias, {kernel}, Nq, Nk, q.shape[0], q.device)
         if kernel == "flex":
             if dropout_p > 0.0:
                 raise ValueError("the flex kernel has no attention dropout; use sdpa or eager")
@@ -497,7 +498,8 @@ class Attention(nn.Module):
         if kernel == "sdpa" and prepared.block_sparse:  # BigBird's blocks gathered: linear in length
             if self.n_kv_heads != self.n_heads:
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
-            return block_sparse_attention(q, k, v, mask, dropout_p)
+            with self._sdpa_context(q):
+                return block_sparse_attention(q, k, v, mask, dropout_p)
         if kernel == "eager":
             if self.n_kv_heads != self.n_heads:  # GQA: each group of H / Hkv query heads shares a kv head
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
@@ -554,14 +556,14 @@ class Attention(nn.Module):
         ``performer_features`` features per head); the softmax kernels ``4 · B · H · Nq · Nk · Dh``
         (``softmax_flops``, the full ``Nq × Nk`` as eager computes it, causal or not), or with
         ``pairs`` — the query-key pairs per head a BigBird layout reads (``block_sparse.layout_pairs``) —
-        ``4 · B · H · pairs · Dh``: the model's block-sparse attention, what the gathering sdpa and
-        flex compute (eager and a dense mask compute all ``Nq × Nk`` of it)."""
+        ``4 · B · H · pairs · Dh`` for sdpa and flex, which compute only those blocks (sdpa where it
+        gathers; flex in its own 128-token blocks); eager computes all ``Nq × Nk`` and counts them."""
         if self.kernel in KERNEL_CLASSES:
             return self.kernel_module.flops(batch, n_queries, n_keys, causal)
         H, Dh = self.n_heads, self.head_dim
         if self.kernel == "performer":
             return favor_flops(batch, H, n_queries, n_keys, Dh, self.performer_features, causal)
-        if pairs is not None:
+        if pairs is not None and self.kernel != "eager":
             return round(4 * batch * H * pairs * Dh)
         return softmax_flops(batch, H, n_queries, n_keys, Dh)
 

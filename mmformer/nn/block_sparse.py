@@ -35,8 +35,10 @@ def gathers(mask: MaskSpec, n_q: int, n_k: int) -> bool:
     gathered rows read at most half of the key blocks — below that a dense mask costs no more. One host
     read of the layout (``(H, nb, nb)`` bools)."""
     layout = mask.sparse_layout
-    if layout is None or mask.q_offset or n_q != n_k or -(-n_k // mask.sparse_block) != layout.shape[-1]:
-        return False  # (a layout over more blocks than the keys fill: the dense mask reads its corner)
+    if layout is None or mask.q_offset or n_q != n_k or layout.dim() > 3:
+        return False
+    if not layout.shape[-2] == layout.shape[-1] == -(-n_k // mask.sparse_block):
+        return False  # a layout over more blocks than the keys fill: the dense mask reads its corner
     counts = _as_heads(layout).sum(-1)  # (Hl, nb)
     full = (counts == layout.shape[-1]).all(0)  # (nb,) rows every head reads whole
     return bool((~full).any()) and 2 * int(counts[:, ~full].max()) <= layout.shape[-1]
@@ -54,8 +56,10 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, drop
     if layout is None or mask.q_offset or k.shape[2] != N or v.shape[2] != N:
         raise ValueError("block_sparse_attention needs a sparse_layout, no KV-cache offset and Nq == Nk")
     nb = layout.shape[-1]
-    if -(-N // block) != nb:
-        raise ValueError(f"a layout of {nb} blocks of {block} tokens does not cover {N} tokens")
+    if not layout.shape[-2] == nb == -(-N // block):
+        raise ValueError(
+            f"a layout of {tuple(layout.shape[-2:])} blocks of {block} tokens does not cover {N} tokens"
+        )
     layout = _as_heads(layout).to(q.device)  # (Hl, nb, nb)
     pad = nb * block - N
     if pad:  # a partial last block: padded keys are masked below, padded queries dropped at the end

@@ -161,9 +161,9 @@ class ReversibleFunction(torch.autograd.Function):
         ctx.own = [  # per block: the indices of the tensors its sub-layers may give gradients to
             [index[id(p)] for p in b.parameters() if p.requires_grad] + extra for b in blocks
         ]
-        for block in blocks:
+        for i, block in enumerate(blocks):  # a layer's index picks its own block layout (BigBird)
             f_rng = _RngState(x1.device)
-            x1 = x1 + block.f(x2, inputs)
+            x1 = x1 + block.f(x2, inputs, layer=i)
             g_rng = _RngState(x1.device)
             x2 = x2 + block.g(x1)
             ctx.rng.append((f_rng, g_rng))
@@ -191,7 +191,10 @@ class ReversibleFunction(torch.autograd.Function):
 
         device, enabled, dtype = ctx.autocast
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            for block, own, (f_rng, g_rng) in zip(reversed(ctx.blocks), reversed(ctx.own), reversed(ctx.rng)):
+            layers = reversed(range(len(ctx.blocks)))
+            for i, block, own, (f_rng, g_rng) in zip(
+                layers, reversed(ctx.blocks), reversed(ctx.own), reversed(ctx.rng)
+            ):
                 own_t = [targets[i] for i in own]
                 # G, piece by piece: X2 = Y2 − G(Y1); dY1 += (∂G/∂Y1)ᵀ dY2
                 x2_pieces, dy1_pieces = [], []
@@ -210,7 +213,7 @@ class ReversibleFunction(torch.autograd.Function):
                 # F: X1 = Y1 − F(X2); dX2 = dY2 + (∂F/∂X2)ᵀ dY1; dX1 = dY1
                 with f_rng.restored(), torch.enable_grad():
                     leaf = x2.detach().requires_grad_()
-                    f = block.f(leaf, inputs)
+                    f = block.f(leaf, inputs, layer=i)
                 d_leaf, *found = torch.autograd.grad(f, [leaf, *own_t], dy1, allow_unused=True)
                 accumulate(own, found)
                 y1, y2, dy2 = y1 - f.detach(), x2, dy2 + d_leaf

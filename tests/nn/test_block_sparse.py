@@ -222,7 +222,7 @@ def test_each_layer_reads_its_own_layout_and_the_kernels_agree_through_a_backbon
 
 
 def test_bigbird_flops_are_the_blocks_its_layouts_read():
-    from mmformer.models.flops import analytic_flops
+    from mmformer.models.flops import analytic_flops, count_flops
     from mmformer.nn.block_sparse import layout_pairs
 
     # window 0: every row but the global one reads itself, the global block and one random block
@@ -249,3 +249,61 @@ def test_bigbird_flops_are_the_blocks_its_layouts_read():
     layouts = bigbird.layer_layouts(64, False, 2, 2)
     saved = sum(4 * 3 * 32 * (64 * 64 - layout_pairs(layouts[i], 4, 64, 64)) for i in range(2))  # B H Dh
     assert flops["dense"] - flops["sparse"] == saved > 0
+    # eager computes every pair under the mask, as count_flops (which runs the softmax kernels as eager) sees
+    for block in sparse.blocks:
+        block.attn.kernel = "eager"
+    model = MultimodalModel(
+        {"text": TextEmbedding(50, 32)}, sparse, {"cls": ClassifierHead(32, 5, pool="mean")}
+    )
+    assert (
+        analytic_flops(model, ids, "text", "cls")
+        == count_flops(model, ids, "text", "cls")["forward"]
+        == flops["dense"]
+    )
+
+
+def test_reversible_layers_read_each_layers_layout_in_training_as_in_inference():
+    from mmformer.models import BlockConfig
+    from mmformer.nn.reversible import stored_activations
+
+    torch.manual_seed(0)
+    bigbird = BigBirdConfig(block=4, window=1, global_blocks=1, random_blocks=1)
+    backbone = build_backbone(
+        32,
+        3,
+        AttentionConfig(4),
+        long_context=LongContextConfig(bigbird=bigbird),
+        block=BlockConfig(reversible=True),
+    )
+    x = torch.randn(2, 64, 32)
+    with torch.no_grad():
+        want = backbone(Tokens.from_embeddings(x, 0))  # the plain loop, layer by layer
+    leaf = x.clone().requires_grad_()
+    got = backbone(Tokens.from_embeddings(leaf, 0))  # the reversible function, recomputing in backward
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (grad,) = torch.autograd.grad(got.square().sum(), leaf)
+    leaf = x.clone().requires_grad_()
+    with stored_activations():
+        (ref,) = torch.autograd.grad(backbone(Tokens.from_embeddings(leaf, 0)).square().sum(), leaf)
+    torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_layout_that_is_not_square_or_not_the_sequences_is_never_gathered():
+    layout = bigbird_layout(16, 1, 1, 1)
+    assert not gathers(MaskSpec(sparse_layout=layout[:10], sparse_block=4), 64, 64)
+    with pytest.raises(ValueError, match="does not cover 64 tokens"):
+        block_sparse_attention(
+            *(torch.randn(1, 1, 64, 8) for _ in range(3)), MaskSpec(sparse_layout=layout[:10], sparse_block=4)
+        )
+
+
+def test_causal_layouts_drawn_once_for_longer_sequences_equal_their_own_draws():
+    bigbird = BigBirdConfig(block=4, window=1, global_blocks=1, random_blocks=2)
+    for n_tokens in (4, 21, 40, 64, 65):  # 1, 6, 10, 16, 17 blocks: drawn for 1, 8, 16, 16, 32
+        blocks = -(-n_tokens // 4)
+        want = torch.stack(
+            [bigbird_layout(blocks, 1, 1, 2, seed=i, causal=True, n_heads=3) for i in range(2)]
+        )
+        assert torch.equal(bigbird.layer_layouts(n_tokens, True, 3, 2), want)
+    want = torch.stack([bigbird_layout(10, 1, 1, 2, seed=i, n_heads=3) for i in range(2)])
+    assert torch.equal(bigbird.layer_layouts(40, False, 3, 2), want)  # bidirectional: drawn for its length
