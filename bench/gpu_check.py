@@ -10,7 +10,8 @@ with its own torch and without Lightning, W&B or OmegaConf. It reports:
      flash / memory-efficient / cuDNN can each be forced, and sdpa with a dense mask (left padding,
      GQA, fully masked rows) against eager, forward and backward;
   2. FlexAttention forward and backward against the eager reference for packed documents, prefix-LM,
-     modality spans, sliding windows and ALiBi (fp32 and bf16);
+     modality spans, sliding windows, BigBird's per-head block layouts and ALiBi (fp32 and bf16); sdpa's
+     gathered BigBird blocks against eager too;
   3. attention TFLOP/s for sdpa and flex at long sequence lengths;
   4. the device's measured bf16 matmul peak;
   5. a full bf16 training step (forward, backward, AdamW) of ViT-B/16 and GPT-2-small-sized backbones:
@@ -40,6 +41,7 @@ import torch._dynamo
 from mmformer.models import AttentionConfig, MlpConfig, PositionConfig, build_backbone
 from mmformer.models.presets import PRESETS
 from mmformer.nn import Attention, AttentionInputs, MaskSpec, Tokens
+from mmformer.nn.masks import bigbird_layout
 from mmformer.nn.positions import alibi_slopes
 
 RESULTS: dict = {}
@@ -139,7 +141,7 @@ def check_sdpa_backends(device: str, n: int) -> None:
         print(f"   forcing {k:9s}: {v}")
 
 
-def _masks(B: int, N: int, device: str) -> dict[str, MaskSpec]:
+def _masks(B: int, N: int, device: str, H: int = 4) -> dict[str, MaskSpec]:
     doc = (torch.arange(N, device=device) // (N // 4)).expand(B, N)
     prefix = (torch.arange(N, device=device) < N // 4).long().expand(B, N)
     run = torch.arange(N, device=device) // (N // 8)  # 8 runs, odd ones are image spans with their own ids
@@ -151,6 +153,15 @@ def _masks(B: int, N: int, device: str) -> dict[str, MaskSpec]:
         "prefix_lm": MaskSpec(causal=True, span=prefix),
         "modality_spans": MaskSpec(causal=True, span=spans),
         "window": MaskSpec(causal=True, window=N // 8),
+        # BigBird's blocks, a layout per head (N / 16 tokens each; sdpa gathers them, flex a block mask)
+        "bigbird": MaskSpec(
+            valid=valid, sparse_layout=bigbird_layout(16, n_heads=H).to(device), sparse_block=N // 16
+        ),
+        "bigbird_causal": MaskSpec(
+            causal=True,
+            sparse_layout=bigbird_layout(16, causal=True, n_heads=H).to(device),
+            sparse_block=N // 16,
+        ),
     }
 
 
@@ -188,8 +199,20 @@ def check_flex(device: str, n: int) -> None:
                     y_ref.backward(grad)
                     y_flex.backward(grad.to(dtype))
                     out[key]["grad_rel_err"] = _rel(x_flex.grad, x_ref.grad)
-                out[key]["ok"] = (
-                    out[key]["forward_rel_err"] < tol and out[key].get("grad_rel_err", 0.0) < tol * 5
+                if name.startswith("bigbird"):  # sdpa computes it by gathering the key blocks
+                    sdpa = Attention(H * Dh, H, kernel="sdpa").to(device, dtype)
+                    sdpa.load_state_dict(ref.state_dict())
+                    x_sdpa = x.clone().to(dtype).requires_grad_(train)
+                    with torch.set_grad_enabled(train):
+                        y_sdpa = sdpa(x_sdpa, inputs)
+                    out[key]["sdpa_forward_rel_err"] = _rel(y_sdpa, y_ref)
+                    if train:
+                        y_sdpa.backward(grad.to(dtype))
+                        out[key]["sdpa_grad_rel_err"] = _rel(x_sdpa.grad, x_ref.grad)
+                out[key]["ok"] = all(
+                    err < (tol if "forward" in k else tol * 5)
+                    for k, err in out[key].items()
+                    if k.endswith("err")
                 )
     RESULTS["flex_vs_eager"] = out
     bad = [k for k, v in out.items() if not v["ok"]]
