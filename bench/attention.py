@@ -58,6 +58,11 @@ def bench_options(kernel: str, n: int, features: int, overrides: dict | None = N
     from mmformer.nn.kernels import KERNEL_CLASSES
 
     if kernel in SPARSE_MASKS:
+        unknown = set(overrides or {}) - set(SPARSE_MASKS[kernel])
+        if unknown:
+            raise SystemExit(
+                f"{kernel} takes options {', '.join(SPARSE_MASKS[kernel])}, not {', '.join(unknown)}"
+            )
         return {**SPARSE_MASKS[kernel], **(overrides or {})}
     cls = KERNEL_CLASSES.get(kernel)
     if cls is None:  # eager, sdpa, flex, performer, auto: no options

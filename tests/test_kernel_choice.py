@@ -200,7 +200,13 @@ def test_option_types_and_settings_no_kernel_reads_are_refused_at_load():
             in refused(f"model.backbone.attn_kernel={kernel}", "model.backbone.attn_drop=0.1")
         )
     load_recipe(LISTOPS, ["model.backbone.attn_drop=0.1"])  # auto: sdpa
-    assert refused("model.backbone.bigbird_block=0").endswith("bigbird_block must be > 0, got 0")
+    assert refused("model.backbone.bigbird_block=0").endswith(
+        "bigbird_block must be > 0, got 0 (tokens per block; null turns BigBird off)"
+    )
+    assert refused("model.backbone.bigbird_random=2").endswith(  # BigBird's options alone turn nothing on
+        "bigbird_random set without bigbird_block, which turns BigBird on: set bigbird_block (tokens per block, "
+        "e.g. 64) or leave the BigBird options out"
+    )
     assert refused("model.backbone.bigbird_block=64", "model.backbone.bigbird_random=-2").endswith(
         "bigbird_random must be >= 0, got -2"
     )

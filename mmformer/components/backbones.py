@@ -145,10 +145,22 @@ class BackboneConfig:
                 raise ValueError(f"bidirectional: {name!r} is not a modality; choose from {allowed}")
         if self.bidirectional and not self.causal:
             raise ValueError("bidirectional lists modalities exempt from a causal mask: set causal: true")
-        positive(self, "performer_features", "bigbird_block", "ff_chunks", "conv_kernel")
+        if self.bigbird_block is not None and self.bigbird_block < 1:
+            raise ValueError(
+                f"bigbird_block must be > 0, got {self.bigbird_block} (tokens per block; null turns BigBird off)"
+            )
+        positive(self, "performer_features", "ff_chunks", "conv_kernel")
         for name in ("bigbird_window", "bigbird_global", "bigbird_random"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        bigbird_set = [
+            n for n in ("bigbird_window", "bigbird_global", "bigbird_random") if getattr(self, n) != 1
+        ]
+        if bigbird_set and self.bigbird_block is None:
+            raise ValueError(
+                f"{', '.join(bigbird_set)} set without bigbird_block, which turns BigBird on: set bigbird_block "
+                "(tokens per block, e.g. 64) or leave the BigBird options out"
+            )
         if self.attn_drop and self.attn_kernel not in ("auto", "eager", "sdpa"):
             raise ValueError(
                 f"attn_drop drops softmax attention weights, which attn_kernel {self.attn_kernel} does not form: "
