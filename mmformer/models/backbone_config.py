@@ -255,9 +255,5 @@ class BlockConfig:
 def _layer_layouts(
     cfg: BigBirdConfig, n_blocks: int, causal: bool, n_heads: int, n_layers: int, device: torch.device
 ) -> Tensor:
-    return torch.stack(
-        [
-            bigbird_layout(n_blocks, cfg.window, cfg.global_blocks, cfg.random_blocks, i, causal, n_heads)
-            for i in range(n_layers)
-        ]
-    ).to(device)
+    layouts = [cfg.layout(n_blocks * cfg.block, causal, n_heads, seed=i) for i in range(n_layers)]
+    return torch.stack(layouts).to(device)
