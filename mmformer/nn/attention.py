@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .block_sparse import block_sparse_attention, gathers
+from .block_sparse import GatherPlan, block_sparse_attention, gather_plan
 from .kernels import KERNEL_CLASSES, build_kernel, softmax_flops
 from .kv_cache import KVCache
 from .linear_attention import favor_attention, favor_flops, orthogonal_features
@@ -68,8 +68,10 @@ class KernelMask:
         empty_rows: ``(B or 1, H or 1, Nq, 1)`` bool, the fully masked query rows of ``dense`` (whose output
             is zeroed), or None when there are none (known on CPU) or no dense mask.
         block_mask: the FlexAttention ``BlockMask`` (flex), or None.
-        block_sparse: sdpa computes this mask's block layout by gathering the key blocks each query block
-            reads (``nn.block_sparse``: BigBird's cost, linear in length), not under a dense mask.
+        gather: the ``GatherPlan`` by which sdpa computes this mask's block layout, gathering the key
+            blocks each query block reads (``nn.block_sparse``: BigBird's cost, linear in length), or None
+            (a dense mask). Planned here, outside the layers, so that an attention call reads no tensor's
+            values (no host sync, no graph break in a compiled block).
     """
 
     n_q: int
@@ -79,7 +81,7 @@ class KernelMask:
     dense: Tensor | None = None
     empty_rows: Tensor | None = field(default=None, repr=False)
     block_mask: object | None = field(default=None, repr=False)
-    block_sparse: bool = False
+    gather: GatherPlan | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -186,9 +188,10 @@ def _kernel_mask(
         return KernelMask(n_q, n_k, kernels, block_mask=block_mask)
     mask = _decoding_mask(mask, n_k)
     fast_causal = mask.is_causal_only and n_q == n_k and bias is None
-    block_sparse = "sdpa" in kernels and bias is None and gathers(mask, n_q, n_k)
+    gather = gather_plan(mask, n_q, n_k) if "sdpa" in kernels and bias is None else None
+    gather = gather if gather is not None and gather.worth else None
     dense, empty_rows = None, None
-    if not mask.is_full and ("eager" in kernels or not (fast_causal or block_sparse)):
+    if not mask.is_full and ("eager" in kernels or not (fast_causal or gather is not None)):
         dense = mask.dense(n_q, n_k, device)
         empty_rows = ~dense.any(dim=-1, keepdim=True)
         if (
@@ -197,7 +200,7 @@ def _kernel_mask(
             and not bool(empty_rows.any())
         ):
             empty_rows = None  # no query row is fully masked (the usual case): nothing to zero in any layer
-    return KernelMask(n_q, n_k, kernels, bias, dense, empty_rows, block_mask, block_sparse)
+    return KernelMask(n_q, n_k, kernels, bias, dense, empty_rows, block_mask, gather)
 
 
 def _zero_padding(k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -495,11 +498,11 @@ class Attention(nn.Module):
                 raise ValueError("the flex kernel has no attention dropout; use sdpa or eager")
             return flex_attention(q, k, v, prepared.block_mask, self._score_mod(inputs))
         bias, dense, empty_rows = prepared.bias, prepared.dense, prepared.empty_rows
-        if kernel == "sdpa" and prepared.block_sparse:  # BigBird's blocks gathered: linear in length
+        if kernel == "sdpa" and prepared.gather is not None:  # BigBird's blocks gathered: linear in length
             if self.n_kv_heads != self.n_heads:
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
             with self._sdpa_context(q):
-                return block_sparse_attention(q, k, v, mask, dropout_p)
+                return block_sparse_attention(q, k, v, mask, dropout_p, prepared.gather)
         if kernel == "eager":
             if self.n_kv_heads != self.n_heads:  # GQA: each group of H / Hkv query heads shares a kv head
                 k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))

@@ -12,7 +12,10 @@ window), evaluated by the same ``MaskSpec.allows`` the dense and flex masks are 
 equals softmax attention under the dense mask (``tests/nn/test_block_sparse.py``). Each group of rows is
 attended by ``F.scaled_dot_product_attention`` with a mask over only its gathered keys (a fused kernel:
 the weights are never stored for the backward), and memory is that of the gathered keys, values and
-their mask: ``O(N · C · block)``. Fully masked query rows return zeros, as every kernel's.
+their mask: ``O(N · C · block)``. Fully masked query rows return zeros, as every kernel's. Which rows
+gather which blocks depends on the layout alone: ``gather_plan`` reads it once on the host (memoised per
+layout), and the attention then reads no tensor's values — no host sync per call on a GPU, and a
+compiled block holds it in one graph.
 
 Shape legend: B batch, H heads, N tokens, Dh head width, nb blocks, R query blocks gathered, C key blocks
 per gathered row.
@@ -20,7 +23,8 @@ per gathered row.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,25 +33,78 @@ from torch import Tensor
 from .masks import MaskSpec
 
 
-def gathers(mask: MaskSpec, n_q: int, n_k: int) -> bool:
-    """Whether ``block_sparse_attention`` computes ``mask`` for ``n_q`` queries and ``n_k`` keys: a
-    ``sparse_layout`` of exactly the blocks the sequence fills (queries = keys, no KV-cache offset) whose
-    gathered rows read at most half of the key blocks — below that a dense mask costs no more. One host
-    read of the layout (``(H, nb, nb)`` bools)."""
+@dataclass(frozen=True)
+class GatherPlan:
+    """How ``block_sparse_attention`` computes one block layout, read from the layout alone: computed once
+    per layout on the host (``gather_plan``, memoised), so the attention itself reads no tensor's values —
+    no host synchronisation on a GPU, no graph break under ``torch.compile``.
+
+    Attributes:
+        full_rows: ``(G,)`` long, the query blocks every head reads whole (BigBird's global rows): they
+            attend to all keys at once.
+        rows: ``(R,)`` long, the other query blocks: they gather their key blocks.
+        cols: ``(Hl, R, C)`` long, the key blocks each of ``rows`` reads in each layout head (``Hl`` 1 for
+            a layout shared by every head), readable ones first in order, then filler slots.
+        slot: ``(Hl, R, C)`` bool, which of ``cols`` are readable (False: filler, masked).
+        n_full, n_rows, width: ``G``, ``R`` and ``C`` as Python ints.
+        worth: the gathered rows read at most half of the key blocks — above that a dense mask costs no
+            more, and ``gathers`` says no.
+    """
+
+    full_rows: Tensor
+    rows: Tensor
+    cols: Tensor
+    slot: Tensor
+    n_full: int
+    n_rows: int
+    width: int
+    worth: bool
+
+
+def gather_plan(mask: MaskSpec, n_q: int, n_k: int) -> GatherPlan | None:
+    """The ``GatherPlan`` of ``mask``'s ``sparse_layout`` for ``n_q`` queries and ``n_k`` keys, or None
+    where ``block_sparse_attention`` cannot compute it: no layout, a per-layer one (take
+    ``MaskSpec.for_layer`` first), a KV-cache offset, ``n_q != n_k``, or a layout over other than the
+    ``ceil(n_k / sparse_block)`` blocks the keys fill. Memoised per layout tensor (the last 64; one host
+    read of each, then none): a layout is read as immutable, as ``BigBirdConfig.layer_layouts``' are."""
     layout = mask.sparse_layout
     if layout is None or mask.q_offset or n_q != n_k or layout.dim() > 3:
-        return False
+        return None
     if not layout.shape[-2] == layout.shape[-1] == -(-n_k // mask.sparse_block):
-        return False  # a layout over more blocks than the keys fill: the dense mask reads its corner
-    counts = _as_heads(layout).sum(-1)  # (Hl, nb)
-    full = (counts == layout.shape[-1]).all(0)  # (nb,) rows every head reads whole
-    return bool((~full).any()) and 2 * int(counts[:, ~full].max()) <= layout.shape[-1]
+        return None  # a layout over more blocks than the keys fill: the dense mask reads its corner
+    if torch.compiler.is_compiling():  # traced without a prepared plan: computed in the graph
+        return _plan(layout)
+    key = (
+        layout.device,
+        layout.untyped_storage().data_ptr(),
+        layout.storage_offset(),
+        layout.shape,
+        layout.stride(),
+    )
+    held = _PLANS.get(key)
+    if held is None:  # the entry holds the layout: its storage, hence the key, cannot be reused meanwhile
+        held = _PLANS[key] = (layout, _plan(layout))
+        while len(_PLANS) > 64:
+            _PLANS.popitem(last=False)
+    _PLANS.move_to_end(key)
+    return held[1]
 
 
-def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, dropout_p: float = 0.0) -> Tensor:
+def gathers(mask: MaskSpec, n_q: int, n_k: int) -> bool:
+    """Whether ``block_sparse_attention`` computes ``mask`` for ``n_q`` queries and ``n_k`` keys and it
+    pays: a ``gather_plan`` exists and its gathered rows read at most half of the key blocks."""
+    plan = gather_plan(mask, n_q, n_k)
+    return plan is not None and plan.worth
+
+
+def block_sparse_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, dropout_p: float = 0.0, plan: GatherPlan | None = None
+) -> Tensor:
     """Softmax attention of ``q, k, v (B, H, N, Dh)`` under ``mask`` (which must have a ``sparse_layout``,
     ``q_offset`` 0 and as many queries as keys) → ``(B, H, N, Dh)``, computing only the key blocks the
     layout allows. ``dropout_p``: dropout on the attention weights. Scores are scaled by ``Dh ** -0.5``.
+    ``plan``: the layout's ``gather_plan`` (``KernelMask.gather`` holds it for a backbone's layers); found
+    (memoised) when None.
 
     Raises ``ValueError`` for a mask without a layout, a KV-cache offset, or ``N`` other than the layout's
     ``nb`` blocks cover (``ceil(N / sparse_block) == nb``)."""
@@ -60,19 +117,17 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, drop
         raise ValueError(
             f"a layout of {tuple(layout.shape[-2:])} blocks of {block} tokens does not cover {N} tokens"
         )
-    layout = _as_heads(layout).to(q.device)  # (Hl, nb, nb)
+    plan = plan if plan is not None else gather_plan(mask, N, N)
     pad = nb * block - N
     if pad:  # a partial last block: padded keys are masked below, padded queries dropped at the end
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     qb, kb, vb = (t.reshape(B, H, nb, block, Dh) for t in (q, k, v))
     rule = replace(mask, sparse_layout=None, sparse_block=0)  # the token rules; blocks come from the gather
-    full = (layout.sum(-1) == nb).all(0)  # (nb,)
     out = q.new_zeros(B, H, nb, block, Dh)
-    dense_rows, sparse_rows = full.nonzero().flatten(), (~full).nonzero().flatten()
-    if len(dense_rows):
-        out = out.index_copy(2, dense_rows, _all_keys(qb, k, v, dense_rows, rule, N, dropout_p))
-    if len(sparse_rows):
-        out = out.index_copy(2, sparse_rows, _gathered(qb, kb, vb, layout, sparse_rows, rule, N, dropout_p))
+    if plan.n_full:
+        out = out.index_copy(2, plan.full_rows, _all_keys(qb, k, v, plan, rule, N, dropout_p))
+    if plan.n_rows:
+        out = out.index_copy(2, plan.rows, _gathered(qb, kb, vb, plan, rule, N, dropout_p))
     return out.reshape(B, H, nb * block, Dh)[:, :, :N]
 
 
@@ -93,29 +148,50 @@ def _as_heads(layout: Tensor) -> Tensor:
     return layout if layout.dim() == 3 else layout[None]
 
 
+_PLANS: OrderedDict[tuple, tuple[Tensor, GatherPlan]] = OrderedDict()
+
+
+def _plan(layout: Tensor) -> GatherPlan:
+    """``gather_plan``'s computation, on the host (one read of the layout), its tensors on the layout's
+    device."""
+    device, layout = layout.device, _as_heads(layout).cpu()  # (Hl, nb, nb)
+    nb = layout.shape[-1]
+    counts = layout.sum(-1)  # (Hl, nb)
+    full = (counts == nb).all(0)  # (nb,) rows every head reads whole
+    full_rows, rows = full.nonzero().flatten(), (~full).nonzero().flatten()
+    reads = layout[:, rows]  # (Hl, R, nb)
+    width = int(reads.sum(-1).max()) if len(rows) else 0
+    # each row's readable blocks first (a stable sort keeps them in order), then masked filler slots
+    cols = torch.argsort((~reads).to(torch.uint8), dim=-1, stable=True)[..., :width]  # (Hl, R, C)
+    slot = torch.gather(reads, -1, cols)
+    return GatherPlan(
+        *(t.to(device) for t in (full_rows, rows, cols, slot)),
+        n_full=len(full_rows),
+        n_rows=len(rows),
+        width=width,
+        worth=len(rows) > 0 and 2 * width <= nb,
+    )
+
+
 def _all_keys(
-    qb: Tensor, k: Tensor, v: Tensor, rows: Tensor, rule: MaskSpec, n: int, dropout_p: float
+    qb: Tensor, k: Tensor, v: Tensor, plan: GatherPlan, rule: MaskSpec, n: int, dropout_p: float
 ) -> Tensor:
-    """Query blocks ``rows`` against every key: ``(B, H, len(rows), block, Dh)``."""
+    """Query blocks ``plan.full_rows`` against every key: ``(B, H, G, block, Dh)``."""
     B, H, _, block, Dh = qb.shape
+    rows = plan.full_rows
     qr = qb[:, :, rows].reshape(B, H, -1, Dh)  # (B, H, G·block, Dh)
     q_idx = (rows[:, None] * block + torch.arange(block, device=rows.device)).flatten()  # (G·block,)
     k_idx = torch.arange(k.shape[2], device=rows.device)
     allowed = _allowed(rule, q_idx[:, None], k_idx[None, :], None, n).unsqueeze(1)  # (B or 1, 1, G·block, Np)
-    return _attend(qr, k, v, allowed, dropout_p).reshape(B, H, len(rows), block, Dh)
+    return _attend(qr, k, v, allowed, dropout_p).reshape(B, H, plan.n_full, block, Dh)
 
 
 def _gathered(
-    qb: Tensor, kb: Tensor, vb: Tensor, layout: Tensor, rows: Tensor, rule: MaskSpec, n: int, dropout_p: float
+    qb: Tensor, kb: Tensor, vb: Tensor, plan: GatherPlan, rule: MaskSpec, n: int, dropout_p: float
 ) -> Tensor:
-    """Query blocks ``rows`` against the key blocks ``layout`` lets them read: ``(B, H, R, block, Dh)``."""
+    """Query blocks ``plan.rows`` against the key blocks they read: ``(B, H, R, block, Dh)``."""
     B, H, nb, block, Dh = qb.shape
-    R = len(rows)
-    reads = layout[:, rows]  # (Hl, R, nb)
-    C = int(reads.sum(-1).max())
-    # each row's readable blocks first (a stable sort keeps them in order), then masked filler slots
-    cols = torch.argsort((~reads).to(torch.uint8), dim=-1, stable=True)[..., :C]  # (Hl, R, C)
-    slot = torch.gather(reads, -1, cols)  # (Hl, R, C): a readable block, not filler
+    rows, cols, slot, R, C = plan.rows, plan.cols, plan.slot, plan.n_rows, plan.width
     # one index_select over (head, block) pairs gathers every head's blocks (its backward an index_add)
     flat = (torch.arange(H, device=cols.device)[:, None, None] * nb + cols).flatten()  # (H·R·C,)
     kg, vg = (

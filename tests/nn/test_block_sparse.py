@@ -176,7 +176,7 @@ def test_sdpa_gathers_the_blocks_without_a_dense_mask_and_agrees_with_eager_and_
         attn.kernel = kernel
         inputs = AttentionInputs(mask=mask).prepared({kernel}, 75, 75, 2, x.device)
         if kernel == "sdpa":  # the memory BigBird saves: no (B, H, N, N) mask is built
-            assert inputs.kernel_mask.block_sparse and inputs.kernel_mask.dense is None
+            assert inputs.kernel_mask.gather is not None and inputs.kernel_mask.dense is None
         with torch.no_grad():
             outs[kernel] = attn(x, inputs)
     torch.testing.assert_close(outs["sdpa"], outs["eager"], rtol=1e-5, atol=1e-5)
@@ -307,3 +307,57 @@ def test_causal_layouts_drawn_once_for_longer_sequences_equal_their_own_draws():
         assert torch.equal(bigbird.layer_layouts(n_tokens, True, 3, 2), want)
     want = torch.stack([bigbird_layout(10, 1, 1, 2, seed=i, n_heads=3) for i in range(2)])
     assert torch.equal(bigbird.layer_layouts(40, False, 3, 2), want)  # bidirectional: drawn for its length
+
+
+def test_a_layouts_gather_plan_is_made_once_and_compiled_blocks_gather_without_a_graph_break(monkeypatch):
+    """The plan (which blocks each query block gathers) is read from the layout once, outside the layers:
+    a later forward reads no layout on the host, and blocks compiled with ``fullgraph=True`` (where a
+    data-dependent read would raise) compute the gathered attention, equal to the eager forward."""
+    from mmformer.models.parallelize import compile_blocks
+    from mmformer.nn import block_sparse
+
+    torch.manual_seed(0)
+    bigbird = BigBirdConfig(block=4, window=1, global_blocks=1, random_blocks=1)
+    backbone = build_backbone(
+        32, 2, AttentionConfig(4, kernel="sdpa"), long_context=LongContextConfig(bigbird=bigbird)
+    )
+    valid = torch.arange(64)[None] < torch.tensor([[64], [50]])
+    x = torch.randn(2, 64, 32, requires_grad=True)
+    planned = []
+    plan = block_sparse._plan
+    monkeypatch.setattr(block_sparse, "_plan", lambda layout: planned.append(layout.shape) or plan(layout))
+    monkeypatch.setattr(block_sparse, "_PLANS", type(block_sparse._PLANS)())
+    want = backbone(Tokens.from_embeddings(x, 0, valid=valid))
+    assert planned == [(4, 16, 16)] * 2  # one per layer: each layer's own layout
+    backbone(Tokens.from_embeddings(x, 0, valid=valid))
+    assert len(planned) == 2  # memoised: the second forward reads no layout
+    for block in backbone.blocks:
+        block.attn.kernel = "eager"
+    eager = backbone(Tokens.from_embeddings(x, 0, valid=valid))
+    for block in backbone.blocks:
+        block.attn.kernel = "sdpa"
+    compile_blocks(backbone, fullgraph=True, backend="eager")  # dynamo's graph capture, no codegen
+    got = backbone(Tokens.from_embeddings(x, 0, valid=valid))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    grad = torch.autograd.grad(got.square().sum(), x)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(eager.square().sum(), x)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_block_sparse_attention_given_its_plan_compiles_whole_and_without_it_plans_itself():
+    from mmformer.nn import block_sparse
+
+    torch.manual_seed(0)
+    layout = bigbird_layout(11, 1, 1, 1, seed=0, n_heads=3)
+    valid = torch.arange(88)[None] < torch.tensor([[88], [70]])
+    mask = MaskSpec(valid=valid, sparse_layout=layout, sparse_block=8)
+    q, k, v = (torch.randn(2, 3, 88, 8) for _ in range(3))
+    plan = block_sparse.gather_plan(mask, 88, 88)
+    assert plan is block_sparse.gather_plan(mask, 88, 88)  # the same layout tensor: the same plan
+    assert (plan.n_full, plan.n_rows) == (1, 10) and plan.cols.shape == (3, 10, plan.width)
+    want = block_sparse_attention(q, k, v, mask)
+    compiled = torch.compile(block_sparse_attention, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v, mask, 0.0, plan), want, rtol=0, atol=0)
+    dense = mask.dense(88)  # (2, 3, 88, 88)
+    ref = torch.softmax((q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~dense, float("-inf")), -1) @ v
+    torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-5)
