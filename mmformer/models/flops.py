@@ -132,8 +132,13 @@ def _block_flops(
             flops += _linear_flops(m, B)
         elif "kv" in parts and "cross" in name:
             flops += _linear_flops(m, B * n_ctx)
-        elif "qkv" in parts:  # keys and values of every token (queries too: one fused product)
-            flops += _linear_flops(m, B * N)
+        elif "qkv" in parts:  # keys and values of every token, queries of the rows computed
+            attn = block.get_submodule(".".join(parts[: parts.index("qkv")]))
+            if n_rows < N and attn.splits_qkv():  # Attention.forward(rows=…): the queries of n_rows only
+                q_out, kv_out = attn.n_heads * attn.head_dim, 2 * attn.n_kv_heads * attn.head_dim
+                flops += 2 * B * m.in_features * (n_rows * q_out + N * kv_out)
+            else:  # queries too: one fused product
+                flops += _linear_flops(m, B * N)
         else:
             flops += _linear_flops(m, B * n_rows)
     return flops

@@ -44,6 +44,7 @@ from .kernels import KERNEL_CLASSES, build_kernel, softmax_flops
 from .kv_cache import KVCache
 from .linear_attention import favor_attention, favor_flops, orthogonal_features
 from .masks import MaskSpec, require_bool, to_additive
+from .onednn import onednn_linear, runs_own_forward, uses_onednn
 from .positions import RotaryEmbedding, alibi_bias
 
 KERNELS = ("auto", "eager", "sdpa", "flex", "performer", *KERNEL_CLASSES)  # + nn/kernels/*.py
@@ -352,11 +353,17 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ projections
     def _project(
-        self, x: Tensor, context: Tensor | None, cache: KVCache | None = None, layer: int = 0
+        self,
+        x: Tensor,
+        context: Tensor | None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        rows: slice | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``x (B, Nq, D)`` (and ``context (B, M, D_ctx)``) → ``q (B, H, Nq, Dh)``, ``k, v (B, Hkv, Nk, Dh)``;
         cross-attention takes ``k, v`` from ``cache.cross[layer]`` when there (raises ``ValueError`` if
-        they belong to a context of another shape)."""
+        they belong to a context of another shape). ``rows``: ``q`` of those rows only, ``(B, H, len(rows),
+        Dh)`` (``splits_qkv``: computed for them alone)."""
         B, N, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         if self.cross:
@@ -372,11 +379,33 @@ class Attention(nn.Module):
             M = context.shape[1]
             k, v = (t.transpose(1, 2) for t in self.kv(context).view(B, M, 2 * Hkv, Dh).split(Hkv, dim=2))
             return self.q_norm(q), self.k_norm(k), v
+        if rows is not None and self.splits_qkv():  # queries of those rows only, keys and values of all
+            linear = onednn_linear if uses_onednn(self.qkv) else F.linear
+            w, b = self.qkv.weight, self.qkv.bias
+            xr = x[:, rows]
+            q = linear(xr, w[: H * Dh], None if b is None else b[: H * Dh]).view(B, xr.shape[1], H, Dh)
+            kv = linear(x, w[H * Dh :], None if b is None else b[H * Dh :]).view(B, N, 2 * Hkv, Dh)
+            k, v = (t.transpose(1, 2) for t in kv.split([Hkv, Hkv], dim=2))
+            return self.q_norm(q.transpose(1, 2)), self.k_norm(k), v
         # split on the head axis before the transposes (the same views): the backward's one concatenation
         # then writes the (B, N, ·, Dh) layout the projection's gradient needs, with no second copy
         qkv = self.qkv(x).view(B, N, H + 2 * Hkv, Dh)
         q, k, v = (t.transpose(1, 2) for t in qkv.split([H, Hkv, Hkv], dim=2))  # (B, ·, N, Dh)
+        if rows is not None:
+            q = q[:, :, rows]
         return self.q_norm(q), self.k_norm(k), v
+
+    def splits_qkv(self) -> bool:
+        """Whether ``forward(rows=…)`` computes the queries of those rows only (the keys and values of every
+        row): a self-attention whose ``qkv`` is a plain ``nn.Linear`` (on PyTorch's or oneDNN's products)
+        without hooks. A wrapped product (LoRA) or a hooked one runs whole, and its other rows' queries
+        are dropped."""
+        m = getattr(self, "qkv", None)
+        return (
+            type(m) is nn.Linear
+            and (runs_own_forward(m) or uses_onednn(m))
+            and not (m._forward_hooks or m._forward_pre_hooks)
+        )
 
     def forward(
         self,
@@ -413,12 +442,13 @@ class Attention(nn.Module):
             if context is None:
                 raise ValueError("cross-attention needs a context")
             inputs = inputs.for_context()  # no causality, RoPE or ALiBi across sequences
-        q, k, v = self._project(x, context, cache, layer)
+        q, k, v = self._project(x, context, cache, layer, rows)  # q: (B, H, len(rows), Dh) with rows
         if inputs.rope is not None and not self.cross:
             cos, sin = inputs.rope
-            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        if rows is not None:
-            q = q[:, :, rows]  # (B, H, len(rows), Dh), rotated at their own positions
+            k = RotaryEmbedding.apply(k, cos, sin)
+            if rows is not None:  # the rows' queries rotated at their own positions
+                cos, sin = cos[:, :, rows], sin[:, :, rows]
+            q = RotaryEmbedding.apply(q, cos, sin)
         B, Nq = x.shape[0], q.shape[2]
         cached = cache is not None
         if cached and self.cross:

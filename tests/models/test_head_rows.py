@@ -217,3 +217,44 @@ def test_checkpointed_blocks_take_the_shortcut_with_the_same_gradients():
         assert m.backbone.rows_computed == CLS
     for a, b in zip(plain.parameters(), wrapped.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("route", ["plain", "onednn", "hooked", "lora"])
+def test_only_the_rows_queries_are_projected_where_the_qkv_product_is_a_plain_linear(route):
+    """A plain ``qkv`` linear (on PyTorch's or oneDNN's products) is computed in two — the queries of the
+    rows, the keys and values of every row — which ``FlopCounterMode`` sees; a hooked or LoRA-wrapped one
+    runs whole (its hooks and adapter see every row). The rows' outputs and the gradients equal the full
+    forward's either way, and ``analytic_flops`` counts what runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mmformer.nn.lora import apply_lora
+    from mmformer.nn.onednn import use_onednn
+
+    torch.manual_seed(0)
+    attn = Attention(64, 4, n_kv_heads=2, kernel="eager")  # qkv: 64 → 128 (64 queries, 32 + 32 keys, values)
+    if route == "onednn":
+        assert use_onednn(attn, min_weights=0) == 2
+    elif route == "hooked":
+        seen = []
+        attn.qkv.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    elif route == "lora":
+        apply_lora(attn, targets=("qkv",), rank=2)
+        torch.nn.init.normal_(attn.qkv.lora_B.weight)
+    assert attn.splits_qkv() == (route in ("plain", "onednn"))
+    x = torch.randn(2, 9, 64, requires_grad=True)
+    rows = slice(0, 2)
+    with FlopCounterMode(display=False) as counter:
+        part = attn(x, rows=rows)
+    products = 2 * 2 * 64 * ((2 * 64 + 9 * 64) if attn.splits_qkv() else 9 * 128)  # qkv
+    products += 2 * 2 * 2 * 64 * 64  # proj, the rows only
+    attention = 4 * 2 * 4 * 2 * 9 * 16  # 2 query rows × 9 keys per head
+    lora = 2 * 2 * 9 * 2 * (64 + 128) if route == "lora" else 0
+    assert counter.get_total_flops() == products + attention + lora
+    if route == "hooked":
+        assert seen == [(2, 9, 128)]
+    full = attn(x)[:, rows]
+    torch.testing.assert_close(part, full, rtol=1e-5, atol=1e-6)
+    wrt = [x, *(p for p in attn.parameters() if p.requires_grad)]  # LoRA freezes the base weights
+    grads, want = (torch.autograd.grad(y.square().sum(), wrt) for y in (part, full))
+    for a, b in zip(grads, want):  # float32 sums in another order: errors scale with the gradient
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, b.abs().max().item()))
