@@ -14,8 +14,9 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..nn.attention import Attention
-from ..nn.block_sparse import layout_pairs
+from ..nn.block_sparse import gather_plan, layout_pairs, window_band
 from ..nn.kernels import SOFTMAX_KERNELS
+from ..nn.masks import MaskSpec
 from ..nn.reversible import stored_activations
 from .backbone import Backbone
 from .model import MultimodalModel
@@ -37,7 +38,9 @@ class FlopMeter:
       head_dim`` (scores and the weighted sum, full ``N × N_k`` as the kernels compute it, causal or not;
       ``N_k = N`` plus cached tokens) — with BigBird the query-key pairs its layouts read instead of
       ``N × N_k``, each layer's, averaged over heads (``block_sparse.layout_pairs``; the gathering sdpa
-      also scores the masked filler of rows that read fewer blocks than others, uncounted) — for the
+      also scores the masked filler of rows that read fewer blocks than others, uncounted), with a
+      sliding window alone the pairs of the band of blocks sdpa gathers for it (``window_band``, where it
+      gathers; flex reads a similar band of its own 128-token blocks) — for the
       Performer, LSH, AFT and RFA the products they run
       (``AttentionKernel.flops``); a last block that computed only the rows a head reads
       (``Backbone.rows_computed``) is counted for those rows past its keys and values;
@@ -91,13 +94,18 @@ class FlopMeter:
         B, N, n_k, n_ctx = self._pending.pop(id(backbone))
         rows = backbone.rows_computed  # the rows the last block computed alone (a class token), if any
         last = len(backbone.blocks) - 1
-        bigbird = backbone.long_context.bigbird
+        bigbird, window = backbone.long_context.bigbird, backbone.long_context.window
         layouts = None  # BigBird: each layer's attention reads the blocks of its own layout
         if bigbird is not None:
             layouts = bigbird.layer_layouts(n_k, backbone.causal, backbone.n_heads, len(backbone.blocks))
+        band = None  # a window alone: sdpa gathers the band of blocks covering it where that pays
+        if window is not None and bigbird is None:
+            plan = gather_plan(MaskSpec(causal=backbone.causal, window=window), N, n_k)
+            if plan is not None and plan.worth:
+                band = layout_pairs(window_band(window, n_k, backbone.causal)[0], plan.block, N, n_k)
         for i, block in enumerate(backbone.blocks):
             n_rows = len(range(N)[rows]) if rows is not None and i == last else N
-            pairs = layout_pairs(layouts[i], bigbird.block, N, n_k) if layouts is not None else None
+            pairs = layout_pairs(layouts[i], bigbird.block, N, n_k) if layouts is not None else band
             self.flops += _block_flops(block, B, N, n_rows, n_k, n_ctx, backbone.causal, pairs)
 
 

@@ -189,7 +189,7 @@ def _kernel_mask(
         return KernelMask(n_q, n_k, kernels, block_mask=block_mask)
     mask = _decoding_mask(mask, n_k)
     fast_causal = mask.is_causal_only and n_q == n_k and bias is None
-    gather = gather_plan(mask, n_q, n_k) if "sdpa" in kernels and bias is None else None
+    gather = gather_plan(mask, n_q, n_k, device) if "sdpa" in kernels and bias is None else None
     gather = gather if gather is not None and gather.worth else None
     dense, empty_rows = None, None
     if not mask.is_full and ("eager" in kernels or not (fast_causal or gather is not None)):

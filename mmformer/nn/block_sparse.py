@@ -23,6 +23,7 @@ per gathered row.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -47,6 +48,7 @@ class GatherPlan:
             a layout shared by every head), readable ones first in order, then filler slots.
         slot: ``(Hl, R, C)`` bool, which of ``cols`` are readable (False: filler, masked).
         n_full, n_rows, width: ``G``, ``R`` and ``C`` as Python ints.
+        block, n_blocks: tokens per block and the blocks of the layout (``nb``, square).
         worth: the gathered rows read at most half of the key blocks — above that a dense mask costs no
             more, and ``gathers`` says no.
     """
@@ -58,36 +60,50 @@ class GatherPlan:
     n_full: int
     n_rows: int
     width: int
+    block: int
+    n_blocks: int
     worth: bool
 
 
-def gather_plan(mask: MaskSpec, n_q: int, n_k: int) -> GatherPlan | None:
-    """The ``GatherPlan`` of ``mask``'s ``sparse_layout`` for ``n_q`` queries and ``n_k`` keys, or None
-    where ``block_sparse_attention`` cannot compute it: no layout, a per-layer one (take
+def gather_plan(mask: MaskSpec, n_q: int, n_k: int, device: torch.device | None = None) -> GatherPlan | None:
+    """The ``GatherPlan`` by which ``block_sparse_attention`` computes ``mask`` for ``n_q`` queries and
+    ``n_k`` keys: its ``sparse_layout``'s, or — a sliding window without one — that of the band of
+    blocks covering the window (``window_band``). None where it cannot: neither, a per-layer layout (take
     ``MaskSpec.for_layer`` first), a KV-cache offset, ``n_q != n_k``, or a layout over other than the
-    ``ceil(n_k / sparse_block)`` blocks the keys fill. Memoised per layout tensor (the last 64; one host
+    ``ceil(n_k / sparse_block)`` blocks the keys fill. ``device``: the window band's (default CPU; a
+    layout's plan is on the layout's device). Memoised per layout tensor (the last 64; one host
     read of each, then none): a layout is read as immutable, as ``BigBirdConfig.layer_layouts``' are."""
-    layout = mask.sparse_layout
-    if layout is None or mask.q_offset or n_q != n_k or layout.dim() > 3:
+    layout, block = mask.sparse_layout, mask.sparse_block
+    if mask.q_offset or n_q != n_k or (layout is None and mask.window is None):
         return None
-    if not layout.shape[-2] == layout.shape[-1] == -(-n_k // mask.sparse_block):
-        return None  # a layout over more blocks than the keys fill: the dense mask reads its corner
+    if layout is None:
+        layout, block = window_band(mask.window, n_k, mask.causal, device)
+    if layout.dim() > 3 or not layout.shape[-2] == layout.shape[-1] == -(-n_k // block):
+        return None  # per layer, or over more blocks than the keys fill: the dense mask reads its corner
     if torch.compiler.is_compiling():  # traced without a prepared plan: computed in the graph
-        return _plan(layout)
-    key = (
-        layout.device,
-        layout.untyped_storage().data_ptr(),
-        layout.storage_offset(),
-        layout.shape,
-        layout.stride(),
-    )
+        return _plan(layout, block)
+    key = (layout.device, layout.untyped_storage().data_ptr(), layout.storage_offset(), layout.shape)
+    key += (layout.stride(), block)
     held = _PLANS.get(key)
     if held is None:  # the entry holds the layout: its storage, hence the key, cannot be reused meanwhile
-        held = _PLANS[key] = (layout, _plan(layout))
+        held = _PLANS[key] = (layout, _plan(layout, block))
         while len(_PLANS) > 64:
             _PLANS.popitem(last=False)
     _PLANS.move_to_end(key)
     return held[1]
+
+
+def window_band(
+    window: int, n_tokens: int, causal: bool, device: torch.device | None = None
+) -> tuple[Tensor, int]:
+    """The block layout that covers a sliding window of ``window`` tokens over ``n_tokens``: blocks of
+    ``block = max(8, ceil(window / 2))`` tokens, each query block reading the ``ceil((window - 1) /
+    block)`` (at most 2) blocks before it, itself, and as many after it unless ``causal`` — every key any
+    of its queries may read; the window's own rule masks the rest inside them. Returns ``((nb, nb) bool,
+    block)``, cached per arguments (read-only). A query then scores at most ``3 × block`` keys (causal:
+    ~1.5 × window) or ``5 × block`` (~2.5 × window), not ``n_tokens``."""
+    block = max(8, -(-window // 2))
+    return _band(window, block, -(-n_tokens // block), causal, torch.device(device or "cpu")), block
 
 
 def gathers(mask: MaskSpec, n_q: int, n_k: int) -> bool:
@@ -100,29 +116,41 @@ def gathers(mask: MaskSpec, n_q: int, n_k: int) -> bool:
 def block_sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: MaskSpec, dropout_p: float = 0.0, plan: GatherPlan | None = None
 ) -> Tensor:
-    """Softmax attention of ``q, k, v (B, H, N, Dh)`` under ``mask`` (which must have a ``sparse_layout``,
-    ``q_offset`` 0 and as many queries as keys) → ``(B, H, N, Dh)``, computing only the key blocks the
-    layout allows. ``dropout_p``: dropout on the attention weights. Scores are scaled by ``Dh ** -0.5``.
-    ``plan``: the layout's ``gather_plan`` (``KernelMask.gather`` holds it for a backbone's layers); found
-    (memoised) when None.
+    """Softmax attention of ``q, k, v (B, H, N, Dh)`` under ``mask`` (a ``sparse_layout`` or a sliding
+    ``window``, ``q_offset`` 0, as many queries as keys) → ``(B, H, N, Dh)``, computing only the key
+    blocks the layout (or the window's band, ``window_band``) allows. ``dropout_p``: dropout on the
+    attention weights. Scores are scaled by ``Dh ** -0.5``. ``plan``: the mask's ``gather_plan``
+    (``KernelMask.gather`` holds it for a backbone's layers); found (memoised) when None.
 
-    Raises ``ValueError`` for a mask without a layout, a KV-cache offset, or ``N`` other than the layout's
-    ``nb`` blocks cover (``ceil(N / sparse_block) == nb``)."""
-    layout, block = mask.sparse_layout, mask.sparse_block
+    Raises ``ValueError`` for a mask with neither a layout nor a window, a KV-cache offset, or ``N``
+    other than the layout's ``nb`` blocks cover (``ceil(N / sparse_block) == nb``)."""
     B, H, N, Dh = q.shape
-    if layout is None or mask.q_offset or k.shape[2] != N or v.shape[2] != N:
-        raise ValueError("block_sparse_attention needs a sparse_layout, no KV-cache offset and Nq == Nk")
-    nb = layout.shape[-1]
-    if not layout.shape[-2] == nb == -(-N // block):
+    if (
+        (mask.sparse_layout is None and mask.window is None)
+        or mask.q_offset
+        or k.shape[2] != N
+        or v.shape[2] != N
+    ):
         raise ValueError(
-            f"a layout of {tuple(layout.shape[-2:])} blocks of {block} tokens does not cover {N} tokens"
+            "block_sparse_attention needs a sparse_layout or a window, no KV-cache offset and Nq == Nk"
         )
-    plan = plan if plan is not None else gather_plan(mask, N, N)
+    if plan is None and mask.sparse_layout is not None:
+        layout, block = mask.sparse_layout, mask.sparse_block
+        if not layout.shape[-2] == layout.shape[-1] == -(-N // block):
+            raise ValueError(
+                f"a layout of {tuple(layout.shape[-2:])} blocks of {block} tokens does not cover {N} tokens"
+            )
+    plan = plan if plan is not None else gather_plan(mask, N, N, q.device)
+    nb, block = plan.n_blocks, plan.block
+    if -(-N // block) != nb:
+        raise ValueError(f"a plan of {nb} blocks of {block} tokens does not cover {N} tokens")
     pad = nb * block - N
     if pad:  # a partial last block: padded keys are masked below, padded queries dropped at the end
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     qb, kb, vb = (t.reshape(B, H, nb, block, Dh) for t in (q, k, v))
     rule = replace(mask, sparse_layout=None, sparse_block=0)  # the token rules; blocks come from the gather
+    if plan.n_rows == nb:  # every query block gathers (a window's band): no rows to place
+        return _gathered(qb, kb, vb, plan, rule, N, dropout_p).reshape(B, H, nb * block, Dh)[:, :, :N]
     out = q.new_zeros(B, H, nb, block, Dh)
     if plan.n_full:
         out = out.index_copy(2, plan.full_rows, _all_keys(qb, k, v, plan, rule, N, dropout_p))
@@ -151,7 +179,7 @@ def _as_heads(layout: Tensor) -> Tensor:
 _PLANS: OrderedDict[tuple, tuple[Tensor, GatherPlan]] = OrderedDict()
 
 
-def _plan(layout: Tensor) -> GatherPlan:
+def _plan(layout: Tensor, block: int) -> GatherPlan:
     """``gather_plan``'s computation, on the host (one read of the layout), its tensors on the layout's
     device."""
     device, layout = layout.device, _as_heads(layout).cpu()  # (Hl, nb, nb)
@@ -169,8 +197,19 @@ def _plan(layout: Tensor) -> GatherPlan:
         n_full=len(full_rows),
         n_rows=len(rows),
         width=width,
+        block=block,
+        n_blocks=nb,
         worth=len(rows) > 0 and 2 * width <= nb,
     )
+
+
+@functools.lru_cache(maxsize=32)
+def _band(window: int, block: int, n_blocks: int, causal: bool, device: torch.device) -> Tensor:
+    reach = -(-(window - 1) // block)  # blocks on each side holding keys within the window
+    i = torch.arange(n_blocks)
+    offset = i[:, None] - i[None, :]  # query block - key block
+    band = (offset <= reach) & (offset >= (0 if causal else -reach))
+    return band.to(device)
 
 
 def _all_keys(
@@ -203,7 +242,8 @@ def _gathered(
     allowed = _allowed(rule, q_idx, k_idx, slot[:, :, None, :, None], n)  # (B|1, Hl, R, block|1, C, block)
     Bm, _, _, bq = allowed.shape[:4]  # bq = 1: no rule depends on the query (sdpa broadcasts the row)
     allowed = allowed.expand(Bm, H, R, bq, C, block).reshape(Bm, H * R, bq, C * block)
-    out = _attend(qb[:, :, rows].reshape(B, H * R, block, Dh), kg, vg, allowed, dropout_p)
+    qr = qb if R == nb else qb[:, :, rows]  # every block (rows = 0 … nb - 1): no copy
+    out = _attend(qr.reshape(B, H * R, block, Dh), kg, vg, allowed, dropout_p)
     return out.view(B, H, R, block, Dh)
 
 

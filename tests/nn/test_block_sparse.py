@@ -325,7 +325,9 @@ def test_a_layouts_gather_plan_is_made_once_and_compiled_blocks_gather_without_a
     x = torch.randn(2, 64, 32, requires_grad=True)
     planned = []
     plan = block_sparse._plan
-    monkeypatch.setattr(block_sparse, "_plan", lambda layout: planned.append(layout.shape) or plan(layout))
+    monkeypatch.setattr(
+        block_sparse, "_plan", lambda layout, b: planned.append(layout.shape) or plan(layout, b)
+    )
     monkeypatch.setattr(block_sparse, "_PLANS", type(block_sparse._PLANS)())
     want = backbone(Tokens.from_embeddings(x, 0, valid=valid))
     assert planned == [(4, 16, 16)] * 2  # one per layer: each layer's own layout
@@ -361,3 +363,92 @@ def test_block_sparse_attention_given_its_plan_compiles_whole_and_without_it_pla
     dense = mask.dense(88)  # (2, 3, 88, 88)
     ref = torch.softmax((q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~dense, float("-inf")), -1) @ v
     torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [1, 7, 16, 33])
+def test_a_sliding_window_is_gathered_from_its_band_of_blocks_and_equals_the_dense_mask(window, causal):
+    """A window without a layout is computed over the band of blocks covering it (``window_band``): equal
+    to attention under the dense mask, values and gradients, with padding, documents and a partial last
+    block; the band reads every key the window allows and few more."""
+    from mmformer.nn.block_sparse import window_band
+
+    N = 203
+    layout, block = window_band(window, N, causal)
+    reads = MaskSpec(sparse_layout=layout, sparse_block=block, causal=causal).dense(N)[0, 0]
+    assert not (MaskSpec(window=window, causal=causal).dense(N)[0, 0] & ~reads).any()  # covers the window
+    assert block == max(8, -(-window // 2)) and reads.sum(-1).max() <= (3 if causal else 5) * block
+    g = torch.Generator().manual_seed(window)
+    valid = torch.arange(N)[None] < torch.tensor([[N], [150]])
+    document = (torch.arange(N)[None] >= torch.tensor([[0], [90]])).long()  # row 1: two documents
+    for mask in (
+        MaskSpec(window=window, causal=causal),
+        MaskSpec(window=window, causal=causal, valid=valid, document=document),
+    ):
+        assert gathers(mask, N, N)
+        q, k, v = (torch.randn(2, 2, N, 8, generator=g, requires_grad=True) for _ in range(3))
+        dense = mask.dense(N)
+        want = torch.softmax((q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~dense, float("-inf")), -1)
+        want = (want.nan_to_num(0.0) @ v) * dense.any(-1, keepdim=True)
+        got = block_sparse_attention(q, k, v, mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        w = torch.randn(got.shape, generator=g)
+        for a, b in zip(
+            torch.autograd.grad((got * w).sum(), (q, k, v)), torch.autograd.grad((want * w).sum(), (q, k, v))
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_backbone_gathers_on_sdpa_and_agrees_with_eager():
+    torch.manual_seed(0)
+    backbone = build_backbone(
+        32, 2, AttentionConfig(4, kernel="sdpa"), long_context=LongContextConfig(window=24), causal=True
+    )
+    tokens = Tokens.from_embeddings(
+        torch.randn(2, 160, 32), 0, valid=torch.arange(160)[None] < torch.tensor([[160], [131]])
+    )
+    inputs = backbone.attention_inputs(tokens, None, None, None).prepared(
+        {"sdpa"}, 160, 160, 2, tokens.x.device
+    )
+    assert inputs.kernel_mask.gather is not None and inputs.kernel_mask.dense is None  # no N × N mask
+    short = backbone.attention_inputs(
+        Tokens.from_embeddings(torch.randn(1, 40, 32), 0), None, None, None
+    ).prepared({"sdpa"}, 40, 40, 1, tokens.x.device)
+    assert (
+        short.kernel_mask.gather is None
+    )  # 40 tokens: the band reads most blocks, the dense mask costs no more
+    x = tokens.x.clone().requires_grad_()
+    outs, grads = {}, {}
+    for kernel in ("eager", "sdpa"):
+        for block in backbone.blocks:
+            block.attn.kernel = kernel
+        out = backbone(Tokens.from_embeddings(x, 0, valid=tokens.valid))
+        outs[kernel], grads[kernel] = out, torch.autograd.grad(out.square().sum(), x)[0]
+    torch.testing.assert_close(outs["sdpa"], outs["eager"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads["sdpa"], grads["eager"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_window_gathered_by_sdpa_is_counted_as_its_band_and_as_every_pair_where_it_is_not():
+    from mmformer.models.flops import analytic_flops, count_flops
+    from mmformer.models.heads import LMHead
+    from mmformer.models.model import MultimodalModel
+    from mmformer.nn.block_sparse import layout_pairs, window_band
+    from mmformer.tokenizers import TextEmbedding
+
+    torch.manual_seed(0)
+    flops = {}
+    for name, window in (("window", 8), ("full", None)):
+        backbone = build_backbone(
+            32, 2, AttentionConfig(2), long_context=LongContextConfig(window=window), causal=True
+        )
+        model = MultimodalModel({"text": TextEmbedding(50, 32)}, backbone, {"lm": LMHead(32, 50)})
+        flops[name] = {n: analytic_flops(model, torch.randint(0, 50, (3, n)), "text", "lm") for n in (24, 64)}
+    band, block = window_band(8, 64, True)  # blocks of 8: each reads itself and the one before
+    assert block == 8 and layout_pairs(band, 8, 64, 64) == 8 * 8 + 7 * 2 * 64
+    saved = 2 * 4 * 3 * 2 * 16 * (64 * 64 - layout_pairs(band, 8, 64, 64))  # layers, 4, B, H, Dh
+    assert flops["full"][64] - flops["window"][64] == saved > 0
+    assert flops["full"][24] == flops["window"][24]  # 3 blocks, 2 read: not gathered, every pair computed
+    for block in backbone.blocks:  # eager computes every pair, as count_flops sees
+        block.attn.kernel = "eager"
+    ids = torch.randint(0, 50, (3, 64))
+    assert analytic_flops(model, ids, "text", "lm") == count_flops(model, ids, "text", "lm")["forward"]
