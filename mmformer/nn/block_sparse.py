@@ -4,7 +4,9 @@ gather formulation of ``bigbird_block_sparse_attention`` in google-research/bigb
 query block's random key blocks per head).
 
 The layout is a ``MaskSpec``'s ``sparse_layout``: ``(nb, nb)`` or ``(H, nb, nb)`` bool over blocks of
-``sparse_block`` tokens (``masks.bigbird_layout``). Query blocks that read every key block in every head
+``sparse_block`` tokens (``masks.bigbird_layout``) — or, for a sliding window without one, the band of
+blocks covering the window (``window_band``: Longformer's and Mistral's local attention, linear in length
+the same way). Query blocks that read every key block in every head
 (BigBird's global rows) attend to all keys at once; the others gather their ``C`` key blocks — ``C`` the
 most any of them reads, shorter rows padded with masked slots — and attend to ``C × block`` keys. Inside
 the gathered blocks the mask's token rules still apply (padding, causal order and spans, documents, a
