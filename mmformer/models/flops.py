@@ -40,7 +40,9 @@ class FlopMeter:
       ``N × N_k``, each layer's, averaged over heads (``block_sparse.layout_pairs``; the gathering sdpa
       also scores the masked filler of rows that read fewer blocks than others, uncounted), with a
       sliding window alone the pairs of the band of blocks sdpa gathers for it (``window_band``, where it
-      gathers; flex reads a similar band of its own 128-token blocks) — for the
+      gathers; flex reads a similar band of its own 128-token blocks); both count every pair with a
+      score bias (ALiBi, a relative bias: sdpa then takes a dense mask), a window with prefix-LM spans
+      too — for the
       Performer, LSH, AFT and RFA the products they run
       (``AttentionKernel.flops``); a last block that computed only the rows a head reads
       (``Backbone.rows_computed``) is counted for those rows past its keys and values;
@@ -88,19 +90,22 @@ class FlopMeter:
         cache, context = kwargs.get("cache"), kwargs.get("context")
         n_k = N + (cache.length if cache is not None and hasattr(cache, "length") else 0)
         n_ctx = context.x.shape[1] if context is not None else 0
-        self._pending[id(backbone)] = (B, N, n_k, n_ctx)  # the cache grows during the forward
+        spans = kwargs.get("span") is not None
+        self._pending[id(backbone)] = (B, N, n_k, n_ctx, spans)  # the cache grows during the forward
 
     def _backbone_ends(self, backbone: Backbone, args, output) -> None:
-        B, N, n_k, n_ctx = self._pending.pop(id(backbone))
+        B, N, n_k, n_ctx, spans = self._pending.pop(id(backbone))
         rows = backbone.rows_computed  # the rows the last block computed alone (a class token), if any
         last = len(backbone.blocks) - 1
         bigbird, window = backbone.long_context.bigbird, backbone.long_context.window
+        biased = backbone.positions.kind == "alibi" or backbone.rel_bias is not None  # sdpa: every pair
         layouts = None  # BigBird: each layer's attention reads the blocks of its own layout
-        if bigbird is not None:
+        if bigbird is not None and not biased:
             layouts = bigbird.layer_layouts(n_k, backbone.causal, backbone.n_heads, len(backbone.blocks))
         band = None  # a window alone: sdpa gathers the band of blocks covering it where that pays
-        if window is not None and bigbird is None:
-            plan = gather_plan(MaskSpec(causal=backbone.causal, window=window), N, n_k)
+        if window is not None and bigbird is None and not biased:
+            span = torch.zeros(1, n_k, dtype=torch.long) if spans else None  # (a span, whichever)
+            plan = gather_plan(MaskSpec(causal=backbone.causal, window=window, span=span), N, n_k)
             if plan is not None and plan.worth:
                 band = layout_pairs(window_band(window, n_k, backbone.causal)[0], plan.block, N, n_k)
         for i, block in enumerate(backbone.blocks):

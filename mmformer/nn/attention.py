@@ -204,6 +204,13 @@ def _kernel_mask(
     return KernelMask(n_q, n_k, kernels, bias, dense, empty_rows, block_mask, gather)
 
 
+def _hooked(m: nn.Module) -> bool:
+    """Whether ``m`` has forward or backward hooks of its own. (Global module hooks are left out: tools
+    install them for bookkeeping — ``FlopCounterMode``'s module tracker — and they would switch off what
+    they measure.)"""
+    return any(map(len, (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)))
+
+
 def _zero_padding(k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """``k, v (B, Hkv, N, Dh)`` with the positions where ``valid (B, N)`` is False set to 0."""
     pad = ~valid[:, None, :, None]  # (B, 1, N, 1)
@@ -398,14 +405,10 @@ class Attention(nn.Module):
     def splits_qkv(self) -> bool:
         """Whether ``forward(rows=…)`` computes the queries of those rows only (the keys and values of every
         row): a self-attention whose ``qkv`` is a plain ``nn.Linear`` (on PyTorch's or oneDNN's products)
-        without hooks. A wrapped product (LoRA) or a hooked one runs whole, and its other rows' queries
-        are dropped."""
+        without forward or backward hooks of its own. A wrapped product (LoRA) or a hooked one runs whole,
+        and its other rows' queries are dropped; global module hooks do not see a split one run."""
         m = getattr(self, "qkv", None)
-        return (
-            type(m) is nn.Linear
-            and (runs_own_forward(m) or uses_onednn(m))
-            and not (m._forward_hooks or m._forward_pre_hooks)
-        )
+        return type(m) is nn.Linear and (runs_own_forward(m) or uses_onednn(m)) and not _hooked(m)
 
     def forward(
         self,

@@ -69,43 +69,62 @@ class GatherPlan:
 
 def gather_plan(mask: MaskSpec, n_q: int, n_k: int, device: torch.device | None = None) -> GatherPlan | None:
     """The ``GatherPlan`` by which ``block_sparse_attention`` computes ``mask`` for ``n_q`` queries and
-    ``n_k`` keys: its ``sparse_layout``'s, or — a sliding window without one — that of the band of
-    blocks covering the window (``window_band``). None where it cannot: neither, a per-layer layout (take
-    ``MaskSpec.for_layer`` first), a KV-cache offset, ``n_q != n_k``, or a layout over other than the
-    ``ceil(n_k / sparse_block)`` blocks the keys fill. ``device``: the window band's (default CPU; a
-    layout's plan is on the layout's device). Memoised per layout tensor (the last 64; one host
-    read of each, then none): a layout is read as immutable, as ``BigBirdConfig.layer_layouts``' are."""
+    ``n_k`` keys, its tensors on ``device`` (default: the layout's; CPU for a window): its
+    ``sparse_layout``'s, or — a sliding window without one — that of the band of blocks covering the
+    window (``window_band``). None where it cannot: neither, a per-layer layout (take
+    ``MaskSpec.for_layer`` first), a KV-cache offset, ``n_q != n_k``, a layout over other than the
+    ``ceil(n_k / sparse_block)`` blocks the keys fill, or a causal window with bidirectional ``span``s
+    (a span's queries read its later keys, however far: no band covers them).
+
+    A window's plan is arithmetic on its size (cached; traced as such by ``torch.compile``). A layout's is
+    read from it on the host once and memoised per layout tensor and version (the last 1,024: an in-place
+    change to a layout is a new version); ``BigBirdConfig.layer_layouts``' are cached, so a backbone's
+    layers plan once per length."""
     layout, block = mask.sparse_layout, mask.sparse_block
-    if mask.q_offset or n_q != n_k or (layout is None and mask.window is None):
+    if mask.q_offset or n_q != n_k:
         return None
     if layout is None:
-        layout, block = window_band(mask.window, n_k, mask.causal, device)
+        if mask.window is None or (mask.causal and mask.span is not None):
+            return None
+        block = window_block(mask.window)
+        args = (mask.window, block, -(-n_k // block), mask.causal, torch.device(device or "cpu"))
+        return _band_plan.__wrapped__(*args) if torch.compiler.is_compiling() else _band_plan(*args)
     if layout.dim() > 3 or not layout.shape[-2] == layout.shape[-1] == -(-n_k // block):
         return None  # per layer, or over more blocks than the keys fill: the dense mask reads its corner
-    if torch.compiler.is_compiling():  # traced without a prepared plan: computed in the graph
-        return _plan(layout, block)
+    device = layout.device if device is None else torch.device(device)
+    if torch.compiler.is_compiling():  # traced without a prepared plan: reads the layout (a graph break)
+        return _plan(layout, block, device)
     key = (layout.device, layout.untyped_storage().data_ptr(), layout.storage_offset(), layout.shape)
-    key += (layout.stride(), block)
+    key += (layout.stride(), layout._version, block, device)
     held = _PLANS.get(key)
     if held is None:  # the entry holds the layout: its storage, hence the key, cannot be reused meanwhile
-        held = _PLANS[key] = (layout, _plan(layout, block))
-        while len(_PLANS) > 64:
+        held = _PLANS[key] = (layout, _plan(layout, block, device))
+        while len(_PLANS) > 1024:
             _PLANS.popitem(last=False)
     _PLANS.move_to_end(key)
     return held[1]
+
+
+def window_block(window: int) -> int:
+    """Tokens per block of a sliding window's band (``window_band``): ``max(8, ceil(window / 2))``."""
+    return max(8, -(-window // 2))
 
 
 def window_band(
     window: int, n_tokens: int, causal: bool, device: torch.device | None = None
 ) -> tuple[Tensor, int]:
     """The block layout that covers a sliding window of ``window`` tokens over ``n_tokens``: blocks of
-    ``block = max(8, ceil(window / 2))`` tokens, each query block reading the ``ceil((window - 1) /
-    block)`` (at most 2) blocks before it, itself, and as many after it unless ``causal`` — every key any
-    of its queries may read; the window's own rule masks the rest inside them. Returns ``((nb, nb) bool,
-    block)``, cached per arguments (read-only). A query then scores at most ``3 × block`` keys (causal:
-    ~1.5 × window) or ``5 × block`` (~2.5 × window), not ``n_tokens``."""
-    block = max(8, -(-window // 2))
-    return _band(window, block, -(-n_tokens // block), causal, torch.device(device or "cpu")), block
+    ``block = window_block(window)`` tokens, each query block reading the ``ceil((window - 1) / block)``
+    (at most 2) blocks before it, itself, and as many after it unless ``causal`` — every key any of its
+    queries may read; the window's own rule masks the rest inside them. Returns ``((nb, nb) bool,
+    block)``. A query then scores at most ``3 × block`` keys (causal: ~1.5 × window) or ``5 × block``
+    (~2.5 × window), not ``n_tokens``."""
+    block = window_block(window)
+    nb, reach = -(-n_tokens // block), _reach(window, block)
+    offset = (
+        torch.arange(nb, device=device)[:, None] - torch.arange(nb, device=device)[None, :]
+    )  # q - k block
+    return (offset <= reach) & (offset >= (0 if causal else -reach)), block
 
 
 def gathers(mask: MaskSpec, n_q: int, n_k: int) -> bool:
@@ -181,10 +200,10 @@ def _as_heads(layout: Tensor) -> Tensor:
 _PLANS: OrderedDict[tuple, tuple[Tensor, GatherPlan]] = OrderedDict()
 
 
-def _plan(layout: Tensor, block: int) -> GatherPlan:
-    """``gather_plan``'s computation, on the host (one read of the layout), its tensors on the layout's
-    device."""
-    device, layout = layout.device, _as_heads(layout).cpu()  # (Hl, nb, nb)
+def _plan(layout: Tensor, block: int, device: torch.device) -> GatherPlan:
+    """``gather_plan``'s computation for a layout, on the host (one read of it), its tensors on
+    ``device``."""
+    layout = _as_heads(layout).cpu()  # (Hl, nb, nb)
     nb = layout.shape[-1]
     counts = layout.sum(-1)  # (Hl, nb)
     full = (counts == nb).all(0)  # (nb,) rows every head reads whole
@@ -205,13 +224,32 @@ def _plan(layout: Tensor, block: int) -> GatherPlan:
     )
 
 
-@functools.lru_cache(maxsize=32)
-def _band(window: int, block: int, n_blocks: int, causal: bool, device: torch.device) -> Tensor:
-    reach = -(-(window - 1) // block)  # blocks on each side holding keys within the window
-    i = torch.arange(n_blocks)
-    offset = i[:, None] - i[None, :]  # query block - key block
-    band = (offset <= reach) & (offset >= (0 if causal else -reach))
-    return band.to(device)
+def _reach(window: int, block: int) -> int:
+    return -(-(window - 1) // block)  # blocks on each side holding keys within the window
+
+
+@functools.lru_cache(maxsize=64)
+def _band_plan(window: int, block: int, nb: int, causal: bool, device: torch.device) -> GatherPlan:
+    """A window's band as a ``GatherPlan``, from its sizes alone: every query block gathers the
+    ``width`` blocks from ``reach`` before it (to ``reach`` after it unless causal); those outside the
+    sequence are filler (``slot`` False, pointing at block 0 or ``nb - 1``)."""
+    reach = _reach(window, block)
+    width = reach + 1 if causal else 2 * reach + 1  # may exceed nb (then not worth it): filler slots
+    rows = torch.arange(nb, device=device)
+    cols = rows[:, None] - reach + torch.arange(width, device=device)  # (nb, C), may run past either end
+    slot = (cols >= 0) & (cols < nb)
+    return GatherPlan(
+        rows[:0],
+        rows,
+        cols.clamp(0, nb - 1)[None],
+        slot[None],
+        n_full=0,
+        n_rows=nb,
+        width=width,
+        block=block,
+        n_blocks=nb,
+        worth=2 * width <= nb,
+    )
 
 
 def _all_keys(

@@ -258,3 +258,12 @@ def test_only_the_rows_queries_are_projected_where_the_qkv_product_is_a_plain_li
     grads, want = (torch.autograd.grad(y.square().sum(), wrt) for y in (part, full))
     for a, b in zip(grads, want):  # float32 sums in another order: errors scale with the gradient
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, b.abs().max().item()))
+
+
+def test_a_backward_hook_on_qkv_keeps_it_whole():
+    attn = Attention(64, 4, kernel="eager")
+    seen = []
+    attn.qkv.register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(grad_out[0].shape))
+    assert not attn.splits_qkv()
+    attn(torch.randn(2, 9, 64, requires_grad=True), rows=CLS).sum().backward()
+    assert seen == [(2, 9, 192)]

@@ -326,7 +326,7 @@ def test_a_layouts_gather_plan_is_made_once_and_compiled_blocks_gather_without_a
     planned = []
     plan = block_sparse._plan
     monkeypatch.setattr(
-        block_sparse, "_plan", lambda layout, b: planned.append(layout.shape) or plan(layout, b)
+        block_sparse, "_plan", lambda layout, *args: planned.append(layout.shape) or plan(layout, *args)
     )
     monkeypatch.setattr(block_sparse, "_PLANS", type(block_sparse._PLANS)())
     want = backbone(Tokens.from_embeddings(x, 0, valid=valid))
@@ -452,3 +452,49 @@ def test_a_window_gathered_by_sdpa_is_counted_as_its_band_and_as_every_pair_wher
         block.attn.kernel = "eager"
     ids = torch.randint(0, 50, (3, 64))
     assert analytic_flops(model, ids, "text", "lm") == count_flops(model, ids, "text", "lm")["forward"]
+
+
+def test_what_no_band_covers_keeps_the_dense_mask_and_what_changes_a_layout_replans():
+    """A causal window with prefix-LM spans (a span's queries read its later keys, however far) and a
+    score bias (ALiBi) are not gathered — computed and counted in full; a layout changed in place gets a
+    new plan; a window's plan is arithmetic, so a layer compiled whole (``fullgraph``) plans it itself."""
+    from mmformer.models.flops import analytic_flops
+    from mmformer.models.heads import LMHead
+    from mmformer.models.model import MultimodalModel
+    from mmformer.nn import block_sparse
+    from mmformer.tokenizers import TextEmbedding
+
+    torch.manual_seed(0)
+    span = (torch.arange(64) < 32).long()[None].expand(2, 64)
+    mask = MaskSpec(causal=True, window=8, span=span)
+    assert not gathers(mask, 64, 64) and gathers(MaskSpec(causal=True, window=8), 64, 64)
+    attn = Attention(32, 2, kernel="sdpa")
+    x = torch.randn(2, 64, 32)
+    want = attn(x, mask)
+    attn.kernel = "eager"
+    torch.testing.assert_close(want, attn(x, mask), rtol=1e-5, atol=1e-5)
+
+    flops = {}
+    for window in (8, None):
+        backbone = build_backbone(
+            32,
+            2,
+            AttentionConfig(2),
+            positions=PositionConfig("alibi"),
+            long_context=LongContextConfig(window=window),
+            causal=True,
+        )
+        model = MultimodalModel({"text": TextEmbedding(50, 32)}, backbone, {"lm": LMHead(32, 50)})
+        flops[window] = analytic_flops(model, torch.randint(0, 50, (1, 64)), "text", "lm")
+    assert flops[8] == flops[None]  # with a score bias sdpa computes every pair
+
+    layout = bigbird_layout(8, 0, 0, 1, seed=0)
+    before = block_sparse.gather_plan(MaskSpec(sparse_layout=layout, sparse_block=4), 32, 32)
+    layout[5] = True  # row 5 now reads every block
+    after = block_sparse.gather_plan(MaskSpec(sparse_layout=layout, sparse_block=4), 32, 32)
+    assert after is not before and (before.n_full, after.n_full) == (0, 1)  # row 5: to all keys
+
+    attn = Attention(32, 2, kernel="sdpa")
+    window = AttentionInputs(mask=MaskSpec(causal=True, window=16))
+    compiled = torch.compile(attn, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, window), attn(x, window), rtol=0, atol=0)
