@@ -11,7 +11,7 @@ with its own torch and without Lightning, W&B or OmegaConf. It reports:
      GQA, fully masked rows) against eager, forward and backward;
   2. FlexAttention forward and backward against the eager reference for packed documents, prefix-LM,
      modality spans, sliding windows, BigBird's per-head block layouts and ALiBi (fp32 and bf16); sdpa's
-     gathered BigBird blocks against eager too;
+     gathered BigBird blocks and window band against eager too;
   3. attention TFLOP/s for sdpa and flex at long sequence lengths;
   4. the device's measured bf16 matmul peak;
   5. a full bf16 training step (forward, backward, AdamW) of ViT-B/16 and GPT-2-small-sized backbones:
@@ -199,7 +199,7 @@ def check_flex(device: str, n: int) -> None:
                     y_ref.backward(grad)
                     y_flex.backward(grad.to(dtype))
                     out[key]["grad_rel_err"] = _rel(x_flex.grad, x_ref.grad)
-                if name.startswith("bigbird"):  # sdpa computes it by gathering the key blocks
+                if name.startswith("bigbird") or name == "window":  # sdpa gathers the key blocks
                     sdpa = Attention(H * Dh, H, kernel="sdpa").to(device, dtype)
                     sdpa.load_state_dict(ref.state_dict())
                     x_sdpa = x.clone().to(dtype).requires_grad_(train)
