@@ -47,7 +47,7 @@ class GatherPlan:
             attend to all keys at once.
         rows: ``(R,)`` long, the other query blocks: they gather their key blocks.
         cols: ``(Hl, R, C)`` long, the key blocks each of ``rows`` reads in each layout head (``Hl`` 1 for
-            a layout shared by every head), readable ones first in order, then filler slots.
+            a layout shared by every head); a row that reads fewer than ``C`` has filler slots.
         slot: ``(Hl, R, C)`` bool, which of ``cols`` are readable (False: filler, masked).
         n_full, n_rows, width: ``G``, ``R`` and ``C`` as Python ints.
         block, n_blocks: tokens per block and the blocks of the layout (``nb``, square).
@@ -121,9 +121,8 @@ def window_band(
     (~2.5 × window), not ``n_tokens``."""
     block = window_block(window)
     nb, reach = -(-n_tokens // block), _reach(window, block)
-    offset = (
-        torch.arange(nb, device=device)[:, None] - torch.arange(nb, device=device)[None, :]
-    )  # q - k block
+    blocks = torch.arange(nb, device=device)
+    offset = blocks[:, None] - blocks[None, :]  # query block - key block
     return (offset <= reach) & (offset >= (0 if causal else -reach)), block
 
 
