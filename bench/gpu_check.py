@@ -225,13 +225,16 @@ def check_flex(device: str, n: int) -> None:
 
 def attention_tflops(device: str, shapes: list[tuple[int, int]]) -> None:
     """Kernel-only timing (prebuilt q, k, v and block mask), forward alone and forward + backward: sdpa
-    causal, flex causal, flex over four equal documents, at each ``(tokens, head dim)`` of ``shapes``.
-    B·H·Dh = 2 × 2,048 at every head dim.
+    causal, flex causal, flex over four equal documents, and a causal sliding window of ``min(1024,
+    N / 4)`` tokens computed by sdpa over its gathered band of blocks (``nn.block_sparse``) and by flex,
+    at each ``(tokens, head dim)`` of ``shapes``. B·H·Dh = 2 × 2,048 at every head dim.
 
     FLOPs (FlashAttention-2 paper's convention, Dao 2023 §4.1): forward 4·B·H·N²·Dh, halved when causal;
-    backward 2.5× forward (so forward + backward 3.5×); four equal causal documents a quarter of causal.
+    backward 2.5× forward (so forward + backward 3.5×); four equal causal documents a quarter of causal;
+    a causal window ``W``: the pairs it allows, ``N·W − W(W−1)/2`` in place of ``N²/2``.
     """
     from mmformer.nn.attention import flex_attention
+    from mmformer.nn.block_sparse import block_sparse_attention, gather_plan
 
     rows = []
     for n, dh in shapes:
@@ -242,18 +245,26 @@ def attention_tflops(device: str, shapes: list[tuple[int, int]]) -> None:
         )
         doc_mask = _masks(B, n, device)["documents"]
         doc_mask = MaskSpec(causal=True, document=doc_mask.document)  # documents only, no padding
+        w = min(1024, n // 4)
+        window = MaskSpec(causal=True, window=w)
+        plan = gather_plan(window, n, n, q.device)
         cases = {
             "sdpa causal": lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True
-            )
+            ),
+            "sdpa window": lambda m=window, p=plan, q=q, k=k, v=v: block_sparse_attention(q, k, v, m, 0.0, p),
         }
         if device == "cuda":
             causal_bm = MaskSpec(causal=True).block_mask(B, n, n, q.device)
             doc_bm = doc_mask.block_mask(B, n, n, q.device)
+            window_bm = window.block_mask(B, n, n, q.device)
             cases["flex causal"] = lambda bm=causal_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
             cases["flex documents"] = lambda bm=doc_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
+            cases["flex window"] = lambda bm=window_bm, q=q, k=k, v=v: flex_attention(q, k, v, bm)
         for name, fn in cases.items():
             forward = 4 * B * H * n * n * dh * 0.5 / (4 if name == "flex documents" else 1)
+            if name.endswith("window"):
+                forward = 4 * B * H * dh * (n * w - w * (w - 1) / 2)
             t_fwd = timed(fn, device, repeats=5)  # grad mode on: the same compiled graph as below
             dout = torch.randn_like(q)  # made once: the timing holds the kernels' work only
             t_both = timed(
