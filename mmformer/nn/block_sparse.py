@@ -267,21 +267,37 @@ def _all_keys(
 def _gathered(
     qb: Tensor, kb: Tensor, vb: Tensor, plan: GatherPlan, rule: MaskSpec, n: int, dropout_p: float
 ) -> Tensor:
-    """Query blocks ``plan.rows`` against the key blocks they read: ``(B, H, R, block, Dh)``."""
+    """Query blocks ``plan.rows`` against the key blocks they read: ``(B, H, R, block, Dh)``.
+
+    A layout shared by every head (a window's band, a shared BigBird layout) is attended as ``B·R``
+    problems of ``H`` heads, so that its mask — the same for every head — broadcasts over them (not one
+    copy per head: the mask is most of the memory traffic at small head widths); a layout per head as
+    ``B`` problems of ``H·R`` rows, its mask already one per head."""
     B, H, nb, block, Dh = qb.shape
     rows, cols, slot, R, C = plan.rows, plan.cols, plan.slot, plan.n_rows, plan.width
-    # one index_select over (head, block) pairs gathers every head's blocks (its backward an index_add)
-    flat = (torch.arange(H, device=cols.device)[:, None, None] * nb + cols).flatten()  # (H·R·C,)
+    shared = cols.shape[0] == 1  # Hl = 1
+    # one index_select over (head, block) pairs gathers every head's blocks (its backward an index_add),
+    # ordered (row, head, slot) when the heads share the layout, else (head, row, slot)
+    heads = torch.arange(H, device=cols.device)[:, None, None] * nb
+    flat = (heads.transpose(0, 1) + cols.transpose(0, 1) if shared else heads + cols).flatten()  # (H·R·C,)
     kg, vg = (
-        t.reshape(B, H * nb, block * Dh).index_select(1, flat).view(B, H * R, C * block, Dh) for t in (kb, vb)
+        t.reshape(B, H * nb, block * Dh).index_select(1, flat).view(B * R, H, C * block, Dh)
+        if shared
+        else t.reshape(B, H * nb, block * Dh).index_select(1, flat).view(B, H * R, C * block, Dh)
+        for t in (kb, vb)
     )
     offs = torch.arange(block, device=rows.device)
     q_idx = (rows[:, None] * block + offs)[None, :, :, None, None]  # (1, R, block, 1, 1)
     k_idx = (cols[..., None] * block + offs)[:, :, None]  # (Hl, R, 1, C, block)
     allowed = _allowed(rule, q_idx, k_idx, slot[:, :, None, :, None], n)  # (B|1, Hl, R, block|1, C, block)
     Bm, _, _, bq = allowed.shape[:4]  # bq = 1: no rule depends on the query (sdpa broadcasts the row)
+    qr = qb if R == nb else qb[:, :, rows]  # (B, H, R, block, Dh); every block: no copy
+    if shared:  # (B·R, H, ·): the mask (B·R, 1, ·) broadcasts over the heads
+        allowed = allowed.reshape(Bm, R, 1, bq, C * block).expand(B, R, 1, bq, C * block)
+        qr = qr.transpose(1, 2).reshape(B * R, H, block, Dh)
+        out = _attend(qr, kg, vg, allowed.reshape(B * R, 1, bq, C * block), dropout_p)
+        return out.view(B, R, H, block, Dh).transpose(1, 2)
     allowed = allowed.expand(Bm, H, R, bq, C, block).reshape(Bm, H * R, bq, C * block)
-    qr = qb if R == nb else qb[:, :, rows]  # every block (rows = 0 … nb - 1): no copy
     out = _attend(qr.reshape(B, H * R, block, Dh), kg, vg, allowed, dropout_p)
     return out.view(B, H, R, block, Dh)
 
