@@ -208,15 +208,7 @@ def test_each_layer_reads_its_own_layout_and_the_kernels_agree_through_a_backbon
     layouts = backbone.attention_inputs(tokens, None, None, None).mask.sparse_layout
     assert layouts.shape == (3, 4, 16, 16)
     assert not torch.equal(layouts[0], layouts[1]) and not torch.equal(layouts[1], layouts[2])
-    x = tokens.x.clone().requires_grad_()
-    outs, grads = {}, {}
-    for kernel in ("eager", "sdpa"):
-        for block in backbone.blocks:
-            block.attn.kernel = kernel
-        out = backbone(Tokens.from_embeddings(x, 0, valid=tokens.valid))
-        outs[kernel], grads[kernel] = out, torch.autograd.grad(out.square().sum(), x)[0]
-    torch.testing.assert_close(outs["sdpa"], outs["eager"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grads["sdpa"], grads["eager"], rtol=1e-4, atol=1e-5)
+    _sdpa_agrees_with_eager(backbone, tokens)
     with pytest.raises(ValueError, match="for_layer"):  # the rule of no layer in particular
         MaskSpec(sparse_layout=layouts, sparse_block=4).dense(64)
 
@@ -416,16 +408,8 @@ def test_a_window_backbone_gathers_on_sdpa_and_agrees_with_eager():
     ).prepared({"sdpa"}, 40, 40, 1, tokens.x.device)
     assert (
         short.kernel_mask.gather is None
-    )  # 40 tokens: the band reads most blocks, the dense mask costs no more
-    x = tokens.x.clone().requires_grad_()
-    outs, grads = {}, {}
-    for kernel in ("eager", "sdpa"):
-        for block in backbone.blocks:
-            block.attn.kernel = kernel
-        out = backbone(Tokens.from_embeddings(x, 0, valid=tokens.valid))
-        outs[kernel], grads[kernel] = out, torch.autograd.grad(out.square().sum(), x)[0]
-    torch.testing.assert_close(outs["sdpa"], outs["eager"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grads["sdpa"], grads["eager"], rtol=1e-4, atol=1e-5)
+    )  # 40 tokens: the band reads most blocks, a dense mask is no dearer
+    _sdpa_agrees_with_eager(backbone, tokens)
 
 
 def test_a_window_gathered_by_sdpa_is_counted_as_its_band_and_as_every_pair_where_it_is_not():
@@ -498,3 +482,16 @@ def test_what_no_band_covers_keeps_the_dense_mask_and_what_changes_a_layout_repl
     window = AttentionInputs(mask=MaskSpec(causal=True, window=16))
     compiled = torch.compile(attn, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x, window), attn(x, window), rtol=0, atol=0)
+
+
+def _sdpa_agrees_with_eager(backbone, tokens: Tokens) -> None:
+    """The backbone's output and input gradient with every layer on sdpa equal those on eager."""
+    x = tokens.x.clone().requires_grad_()
+    outs, grads = {}, {}
+    for kernel in ("eager", "sdpa"):
+        for block in backbone.blocks:
+            block.attn.kernel = kernel
+        out = backbone(Tokens.from_embeddings(x, 0, valid=tokens.valid))
+        outs[kernel], grads[kernel] = out, torch.autograd.grad(out.square().sum(), x)[0]
+    torch.testing.assert_close(outs["sdpa"], outs["eager"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads["sdpa"], grads["eager"], rtol=1e-4, atol=1e-5)
