@@ -232,8 +232,10 @@ def eager_attention(
 ) -> Tensor:
     """Reference attention. ``q (B, H, Nq, Dh)``, ``k, v (B, H, Nk, Dh)``, ``mask`` bool broadcastable to
     ``(B, H, Nq, Nk)`` (True = may attend), ``bias`` additive float. Fully masked rows return zeros.
+    Scores and softmax in float32 at least (float64 inputs stay float64).
     Raises ``TypeError`` for a ``mask`` that is not bool (``nn.masks.require_bool``)."""
-    scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, Nq, Nk)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(dtype) @ k.to(dtype).transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, Nq, Nk)
     if bias is not None:
         scores = scores + bias
     if mask is not None:

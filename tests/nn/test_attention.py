@@ -134,3 +134,14 @@ def test_unknown_kernel_is_refused():
     attn = Attention(32, 4)
     with pytest.raises(ValueError, match="unknown attention kernel"):
         attn.kernel = "flex2"
+
+
+def test_eager_keeps_float64_inputs_in_float64():
+    from mmformer.nn.attention import eager_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    want = torch.softmax(q @ k.transpose(-1, -2) / 2, -1) @ v  # Dh ** -0.5 = 1 / 2
+    got = eager_attention(q, k, v, None)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
