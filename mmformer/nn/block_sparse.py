@@ -142,8 +142,9 @@ def block_sparse_attention(
     attention weights. Scores are scaled by ``Dh ** -0.5``. ``plan``: the mask's ``gather_plan``
     (``KernelMask.gather`` holds it for a backbone's layers); found (memoised) when None.
 
-    Raises ``ValueError`` for a mask with neither a layout nor a window, a KV-cache offset, or ``N``
-    other than the layout's ``nb`` blocks cover (``ceil(N / sparse_block) == nb``)."""
+    Raises ``ValueError`` for a mask with neither a layout nor a window, a KV-cache offset, ``N`` other
+    than the layout's ``nb`` blocks cover (``ceil(N / sparse_block) == nb``), or a causal window with
+    spans (``gather_plan`` None)."""
     B, H, N, Dh = q.shape
     if (
         (mask.sparse_layout is None and mask.window is None)
@@ -161,6 +162,11 @@ def block_sparse_attention(
                 f"a layout of {tuple(layout.shape[-2:])} blocks of {block} tokens does not cover {N} tokens"
             )
     plan = plan if plan is not None else gather_plan(mask, N, N, q.device)
+    if plan is None:
+        raise ValueError(
+            "no band of blocks covers this mask (a causal window with bidirectional spans reads a span's later "
+            "keys, however far): use attention under its dense mask"
+        )
     nb, block = plan.n_blocks, plan.block
     if -(-N // block) != nb:
         raise ValueError(f"a plan of {nb} blocks of {block} tokens does not cover {N} tokens")

@@ -452,6 +452,8 @@ def test_what_no_band_covers_keeps_the_dense_mask_and_what_changes_a_layout_repl
     span = (torch.arange(64) < 32).long()[None].expand(2, 64)
     mask = MaskSpec(causal=True, window=8, span=span)
     assert not gathers(mask, 64, 64) and gathers(MaskSpec(causal=True, window=8), 64, 64)
+    with pytest.raises(ValueError, match="no band of blocks covers this mask"):
+        block_sparse_attention(*(torch.randn(2, 2, 64, 16) for _ in range(3)), mask)
     attn = Attention(32, 2, kernel="sdpa")
     x = torch.randn(2, 64, 32)
     want = attn(x, mask)
