@@ -9,6 +9,8 @@ registered kernels (``nn.kernels``: LSH, AFT, RFA) run as themselves, so their o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -90,28 +92,41 @@ class FlopMeter:
         cache, context = kwargs.get("cache"), kwargs.get("context")
         n_k = N + (cache.length if cache is not None and hasattr(cache, "length") else 0)
         n_ctx = context.x.shape[1] if context is not None else 0
-        spans = kwargs.get("span") is not None
-        self._pending[id(backbone)] = (B, N, n_k, n_ctx, spans)  # the cache grows during the forward
+        span = kwargs.get("span")  # prefix-LM spans: a causal window's band no longer covers them
+        self._pending[id(backbone)] = (B, N, n_k, n_ctx, span)  # the cache grows during the forward
 
     def _backbone_ends(self, backbone: Backbone, args, output) -> None:
-        B, N, n_k, n_ctx, spans = self._pending.pop(id(backbone))
+        B, N, n_k, n_ctx, span = self._pending.pop(id(backbone))
         rows = backbone.rows_computed  # the rows the last block computed alone (a class token), if any
         last = len(backbone.blocks) - 1
         bigbird, window = backbone.long_context.bigbird, backbone.long_context.window
         biased = backbone.positions.kind == "alibi" or backbone.rel_bias is not None  # sdpa: every pair
-        layouts = None  # BigBird: each layer's attention reads the blocks of its own layout
-        if bigbird is not None and not biased:
-            layouts = bigbird.layer_layouts(n_k, backbone.causal, backbone.n_heads, len(backbone.blocks))
-        band = None  # a window alone: sdpa gathers the band of blocks covering it where that pays
-        if window is not None and bigbird is None and not biased:
-            span = torch.zeros(1, n_k, dtype=torch.long) if spans else None  # (a span, whichever)
+        pairs = (None,) * len(backbone.blocks)  # per layer: the query-key pairs per head sdpa reads
+        if bigbird is not None and not biased:  # each layer's attention reads its own layout's blocks
+            pairs = _bigbird_pairs(bigbird, backbone.causal, backbone.n_heads, len(backbone.blocks), N, n_k)
+        elif (
+            window is not None and not biased
+        ):  # sdpa gathers the band of blocks covering it, where that pays
             plan = gather_plan(MaskSpec(causal=backbone.causal, window=window, span=span), N, n_k)
             if plan is not None and plan.worth:
-                band = layout_pairs(window_band(window, n_k, backbone.causal)[0], plan.block, N, n_k)
+                pairs = (_band_pairs(window, backbone.causal, N, n_k),) * len(backbone.blocks)
         for i, block in enumerate(backbone.blocks):
             n_rows = len(range(N)[rows]) if rows is not None and i == last else N
-            pairs = layout_pairs(layouts[i], bigbird.block, N, n_k) if layouts is not None else band
-            self.flops += _block_flops(block, B, N, n_rows, n_k, n_ctx, backbone.causal, pairs)
+            self.flops += _block_flops(block, B, N, n_rows, n_k, n_ctx, backbone.causal, pairs[i])
+
+
+@functools.lru_cache(maxsize=64)
+def _bigbird_pairs(
+    bigbird, causal: bool, n_heads: int, n_layers: int, n_q: int, n_k: int
+) -> tuple[float, ...]:
+    layouts = bigbird.layer_layouts(n_k, causal, n_heads, n_layers)
+    return tuple(layout_pairs(layout, bigbird.block, n_q, n_k) for layout in layouts)
+
+
+@functools.lru_cache(maxsize=64)
+def _band_pairs(window: int, causal: bool, n_q: int, n_k: int) -> float:
+    band, block = window_band(window, n_k, causal)
+    return layout_pairs(band, block, n_q, n_k)
 
 
 def _block_flops(

@@ -155,13 +155,13 @@ def block_sparse_attention(
         raise ValueError(
             "block_sparse_attention needs a sparse_layout or a window, no KV-cache offset and Nq == Nk"
         )
+    plan = plan if plan is not None else gather_plan(mask, N, N, q.device)
     if plan is None and mask.sparse_layout is not None:
         layout, block = mask.sparse_layout, mask.sparse_block
-        if not layout.shape[-2] == layout.shape[-1] == -(-N // block):
-            raise ValueError(
-                f"a layout of {tuple(layout.shape[-2:])} blocks of {block} tokens does not cover {N} tokens"
-            )
-    plan = plan if plan is not None else gather_plan(mask, N, N, q.device)
+        raise ValueError(
+            f"a layout of {tuple(layout.shape[-2:])} blocks of {block} tokens does not cover {N} tokens "
+            "(or holds one per layer: take MaskSpec.for_layer first)"
+        )
     if plan is None:
         raise ValueError(
             "no band of blocks covers this mask (a causal window with bidirectional spans reads a span's later "
@@ -286,12 +286,8 @@ def _gathered(
     # ordered (row, head, slot) when the heads share the layout, else (head, row, slot)
     heads = torch.arange(H, device=cols.device)[:, None, None] * nb
     flat = (heads.transpose(0, 1) + cols.transpose(0, 1) if shared else heads + cols).flatten()  # (H·R·C,)
-    kg, vg = (
-        t.reshape(B, H * nb, block * Dh).index_select(1, flat).view(B * R, H, C * block, Dh)
-        if shared
-        else t.reshape(B, H * nb, block * Dh).index_select(1, flat).view(B, H * R, C * block, Dh)
-        for t in (kb, vb)
-    )
+    gathered = (B * R, H, C * block, Dh) if shared else (B, H * R, C * block, Dh)
+    kg, vg = (t.reshape(B, H * nb, block * Dh).index_select(1, flat).view(gathered) for t in (kb, vb))
     offs = torch.arange(block, device=rows.device)
     q_idx = (rows[:, None] * block + offs)[None, :, :, None, None]  # (1, R, block, 1, 1)
     k_idx = (cols[..., None] * block + offs)[:, :, None]  # (Hl, R, 1, C, block)
